@@ -1,0 +1,558 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sparse MLA attention (DeepSeek Sparse Attention, absorbed/MQA form) in Triton.
+
+Self-contained (torch + triton only): ``apply`` drops this very file into vLLM as
+``vllm/_dsa_overlay/kernels/sparse_mla.py``. Runs on Triton 3.5.x and 3.6.x, on every NVIDIA GPU from
+sm_80 on (A100, A6000/RTX 30xx sm_86, L40S/RTX 40xx sm_89, H100/H200 sm_90, RTX 50xx/RTX PRO 6000 sm_120),
+and on the CPU through ``TRITON_INTERPRET=1`` (tests).
+
+What it computes, per query token ``t`` and head ``h`` (MLA with the up-projections absorbed: one latent
+KV row of 576 = 512 "nope" (kv_lora_rank) + 64 "rope" values per cached token, shared by all heads):
+
+    S_t      = the valid slots among indices[t, :]        (duplicates count as many times as they appear)
+    score[j] = softmax_scale * <q[t, h, :576], kv[S_t[j], :576]>
+    out[t,h] = sum_j softmax(score)[j] * kv[S_t[j], :512]
+    lse[t,h] = log(sum_j exp(score[j]))                     (natural log)
+
+Design: one program per (token, group of BLOCK_H heads, split of the top-k list). Heads are the M dimension
+of ``tl.dot`` (padded to BLOCK_H >= 16 with masks, never by the caller), BLOCK_N gathered KV rows are N (for
+Q.K^T) and K (for P.V); the 512-wide nope part is handled as four 128-wide tiles, which is also the fp8
+quantisation tile, so dequantisation (uint8 -> float8e4nv -> x per-row tile scale) happens in registers
+right after the gather. Online softmax runs in fp32 with exp2. With ``num_splits > 1`` every split writes
+a normalised fp32 partial output and its lse, and a second small kernel merges the splits by lse.
+
+Tile sizes are constexprs picked per launch by :func:`choose_config` from (T, H, topk, SM count,
+capability); the number of splits is a runtime argument, so a new batch size never recompiles.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "SparseMLAConfig",
+    "sparse_mla_attention",
+    "sparse_mla_reference",
+    "choose_config",
+    "candidate_tiles",
+    "KV_FORMATS",
+    "FP8_DS_MLA_BYTES",
+]
+
+KV_LORA_RANK = 512  # "nope" width, also the output width (d_v)
+ROPE_DIM = 64
+HEAD_DIM = KV_LORA_RANK + ROPE_DIM  # 576
+FP8_TILE = 128  # fp8_ds_mla quantisation tile (one float32 scale per 128 values)
+FP8_DS_MLA_BYTES = KV_LORA_RANK + 4 * (KV_LORA_RANK // FP8_TILE) + 2 * ROPE_DIM  # 512 + 16 + 128 = 656
+KV_FORMATS = ("bf16", "fp8_ds_mla")
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_nope_tile(kv_ptr, row, valid, J: tl.constexpr, IS_FP8: tl.constexpr,
+                    FP8_NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Gather nope tile J (columns J*128 .. J*128+127) of BLOCK_N rows as a [BLOCK_N, 128] DOT_DTYPE tile.
+
+    ``row`` is each row's offset from ``kv_ptr`` (elements for bf16, bytes for fp8); invalid rows read 0.
+    """
+    d = tl.arange(0, 128)
+    if IS_FP8:
+        raw = tl.load(kv_ptr + row[:, None] + (J * 128) + d[None, :], mask=valid[:, None], other=0)
+        scale = tl.load((kv_ptr + row + (512 + 4 * J)).to(tl.pointer_type(tl.float32)),
+                        mask=valid, other=0.0)
+        if FP8_NATIVE:
+            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            # sm_80/86 have no e4m3 conversion: place sign/exponent/mantissa into an fp16 bit pattern
+            # (exponent bias 15 instead of 7, subnormals included) and fold the 2^8 into the scale.
+            r16 = raw.to(tl.uint16)
+            bits = ((r16 & 0x80) << 8) | ((r16 & 0x7F) << 7)
+            x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+            scale = scale * 256.0
+        return (x * scale[:, None]).to(DOT_DTYPE)
+    else:
+        return tl.load(kv_ptr + row[:, None] + (J * 128) + d[None, :], mask=valid[:, None],
+                       other=0.0).to(DOT_DTYPE)
+
+
+@triton.jit
+def _load_rope_tile(kv_ptr, row, valid, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    r = tl.arange(0, 64)
+    if IS_FP8:
+        ptr = (kv_ptr + row + 528).to(tl.pointer_type(tl.bfloat16))
+    else:
+        ptr = kv_ptr + row + 512
+    return tl.load(ptr[:, None] + r[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr,
+    out_ptr, lse_ptr,            # final outputs (SPLIT=False)
+    po_ptr, plse_ptr,            # fp32 partials [T, H, S, 512] / [T, H, S] contiguous (SPLIT=True)
+    H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
+    stride_qt, stride_qh,
+    stride_kvb, stride_kvt,
+    stride_it,
+    stride_ot, stride_oh, stride_lt, stride_lh,
+    sm_scale_log2,
+    IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # program -> (token, split, head group), head group fastest: programs that share a token's KV rows
+    # run side by side and hit L2 for each other.
+    pid = tl.program_id(0)
+    hg = pid % num_head_groups
+    rest = pid // num_head_groups
+    sp = rest % num_splits
+    t = rest // num_splits
+
+    DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
+
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    d = tl.arange(0, 128)
+    r = tl.arange(0, 64)
+
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h.to(tl.int64) * stride_qh
+    q0 = tl.load(q_row[:, None] + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q1 = tl.load(q_row[:, None] + 128 + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q2 = tl.load(q_row[:, None] + 256 + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q3 = tl.load(q_row[:, None] + 384 + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    qr = tl.load(q_row[:, None] + 512 + r[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+
+    start = sp * split_len
+    end = start + split_len
+    end = tl.where(end < topk, end, topk)
+    idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        slot = tl.load(idx_row + offs_n, mask=nmask, other=-1)
+        valid = nmask & (slot >= 0) & (slot < num_slots)
+        slot = tl.where(valid, slot, 0)
+        blk = slot // block_size
+        row = blk.to(tl.int64) * stride_kvb + (slot - blk * block_size).to(tl.int64) * stride_kvt
+
+        k0 = _load_nope_tile(kv_ptr, row, valid, 0, IS_FP8, FP8_NATIVE, DOT_DTYPE)
+        k1 = _load_nope_tile(kv_ptr, row, valid, 1, IS_FP8, FP8_NATIVE, DOT_DTYPE)
+        k2 = _load_nope_tile(kv_ptr, row, valid, 2, IS_FP8, FP8_NATIVE, DOT_DTYPE)
+        k3 = _load_nope_tile(kv_ptr, row, valid, 3, IS_FP8, FP8_NATIVE, DOT_DTYPE)
+        kr = _load_rope_tile(kv_ptr, row, valid, IS_FP8, DOT_DTYPE)
+
+        s = tl.dot(qr, tl.trans(kr))
+        s = tl.dot(q0, tl.trans(k0), s)
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: avoid -inf - -inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pd = p.to(DOT_DTYPE)
+        acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pd, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pd, k3, acc3 * alpha[:, None])
+        m_i = m_new
+
+    has = l_i > 0.0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if SPLIT:
+        prow = (t.to(tl.int64) * H + offs_h) * num_splits + sp
+        po = po_ptr + prow[:, None] * 512 + d[None, :]
+        tl.store(po, acc0 * inv_l[:, None], mask=hmask[:, None])
+        tl.store(po + 128, acc1 * inv_l[:, None], mask=hmask[:, None])
+        tl.store(po + 256, acc2 * inv_l[:, None], mask=hmask[:, None])
+        tl.store(po + 384, acc3 * inv_l[:, None], mask=hmask[:, None])
+        tl.store(plse_ptr + prow, lse, mask=hmask)
+    else:
+        o = out_ptr + t.to(tl.int64) * stride_ot + offs_h.to(tl.int64) * stride_oh
+        tl.store(o[:, None] + d[None, :], (acc0 * inv_l[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None])
+        tl.store(o[:, None] + 128 + d[None, :], (acc1 * inv_l[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None])
+        tl.store(o[:, None] + 256 + d[None, :], (acc2 * inv_l[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None])
+        tl.store(o[:, None] + 384 + d[None, :], (acc3 * inv_l[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None])
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h.to(tl.int64) * stride_lh, lse, mask=hmask)
+
+
+@triton.jit
+def _sparse_mla_combine_kernel(
+    po_ptr, plse_ptr, out_ptr, lse_ptr,
+    H, num_splits,
+    stride_ot, stride_oh, stride_lt, stride_lh,
+):
+    """Merge the num_splits normalised partials of one (token, head) row by their lse.
+
+    No constexpr depends on num_splits, so a new split count never recompiles."""
+    pid = tl.program_id(0)
+    t = pid // H
+    h = pid % H
+    base = pid.to(tl.int64) * num_splits
+    lmax = float("-inf")
+    for s in range(0, num_splits):
+        lmax = tl.maximum(lmax, tl.load(plse_ptr + base + s))
+    lmax_use = tl.where(lmax == float("-inf"), 0.0, lmax)
+    d = tl.arange(0, 512)
+    acc = tl.zeros([512], dtype=tl.float32)
+    wsum = 0.0
+    for s in range(0, num_splits):
+        w = tl.exp(tl.load(plse_ptr + base + s) - lmax_use)  # 0 for an empty split (lse -inf)
+        o = tl.load(po_ptr + (base + s) * 512 + d)
+        acc += tl.where(w > 0.0, w * o, 0.0)
+        wsum += w
+    has = wsum > 0.0
+    res = acc * tl.where(has, 1.0 / tl.where(has, wsum, 1.0), 0.0)
+    lse = tl.where(has, lmax_use + tl.log(tl.where(has, wsum, 1.0)), float("-inf"))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d,
+             res.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h.to(tl.int64) * stride_lh, lse)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SparseMLAConfig:
+    """Launch configuration of :func:`sparse_mla_attention`.
+
+    block_h: heads per program (tl.dot M; 16, 32 or 64). H is padded up to it with masks.
+    block_n: gathered KV rows per loop iteration (tl.dot N for Q.K^T, K for P.V; 16, 32 or 64).
+    num_splits: programs the top-k list of one (token, head group) is split across (runtime value:
+        changing it never recompiles). 1 writes the outputs directly, > 1 adds a merge kernel.
+    num_warps, num_stages: Triton launch options (num_stages > 1 software-pipelines the gathers).
+    """
+
+    block_h: int = 16
+    block_n: int = 32
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def tile(self) -> tuple[int, int, int, int]:
+        return (self.block_h, self.block_n, self.num_warps, self.num_stages)
+
+    def __str__(self) -> str:  # compact form, parsed back by from_string (benchmark sweeps)
+        return (f"h{self.block_h}n{self.block_n}s{self.num_splits}"
+                f"w{self.num_warps}p{self.num_stages}")
+
+    @classmethod
+    def from_string(cls, s: str) -> "SparseMLAConfig":
+        import re
+
+        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)", s.strip())
+        if not m:
+            raise ValueError(f"bad sparse-MLA config {s!r}: expected e.g. 'h16n32s8w4p2' "
+                             "(block_h, block_n, num_splits, num_warps, num_stages)")
+        return cls(*(int(g) for g in m.groups()))
+
+
+# Tile table per (capability class, kv format, head bucket): (block_h, block_n, num_warps, num_stages).
+# Every entry is cross-compiled for its targets in tests/kernels/test_sparse_mla_xcompile.py, which
+# asserts the shared-memory limit and zero register spills (ptxas -v).
+#   "sm90": Hopper, 227 KB shared memory per block;  "sm80": A100, 163 KB;
+#   "sm8x": sm_86 / sm_89 / sm_120 (consumer and workstation parts, DGX Spark), 99 KB.
+_TILE_TABLE: dict[tuple[str, str, int], tuple[int, int, int, int]] = {}
+
+
+def _fill_tile_table() -> None:
+    for fmt in KV_FORMATS:
+        for cls_ in ("sm90", "sm80", "sm8x"):
+            _TILE_TABLE[(cls_, fmt, 16)] = (16, 32, 4, 2)
+            _TILE_TABLE[(cls_, fmt, 32)] = (32, 32, 4, 2)
+            _TILE_TABLE[(cls_, fmt, 64)] = (64, 32, 8, 2)
+
+
+_fill_tile_table()
+
+
+def _capability_class(capability: tuple[int, int]) -> str:
+    major, minor = capability
+    if major == 9:
+        return "sm90"
+    if major == 8 and minor == 0:
+        return "sm80"
+    return "sm8x"  # sm_86, sm_87, sm_89, sm_12x and anything unknown: assume the small 99 KB budget
+
+
+def _head_bucket(num_heads: int) -> int:
+    return 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
+
+
+def candidate_tiles(capability: tuple[int, int], kv_format: str) -> list[tuple[int, int, int, int]]:
+    """Every (block_h, block_n, num_warps, num_stages) :func:`choose_config` can return for a target."""
+    cls_ = _capability_class(capability)
+    return sorted({v for (c, f, _), v in _TILE_TABLE.items() if c == cls_ and f == kv_format})
+
+
+def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "bf16", *,
+                  sm_count: int = 132, capability: tuple[int, int] = (9, 0)) -> SparseMLAConfig:
+    """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes).
+
+    Tiles come from a per-capability table (by head bucket); the top-k list is then split until the
+    grid fills about two waves of SMs, keeping at least two BLOCK_N tiles per split.
+    """
+    bh, bn, nw, ns = _TILE_TABLE[(_capability_class(capability), kv_format, _head_bucket(num_heads))]
+    programs = max(1, num_tokens) * triton.cdiv(num_heads, bh)
+    n_tiles = triton.cdiv(max(topk, 1), bn)
+    want = triton.cdiv(2 * sm_count, programs)
+    splits = max(1, min(want, n_tiles // 2))
+    # Re-derive from the split length so that no split is empty.
+    split_len = triton.cdiv(triton.cdiv(topk, splits), bn) * bn
+    splits = triton.cdiv(topk, split_len)
+    return SparseMLAConfig(bh, bn, splits, nw, ns)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    """True when this module's kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
+
+    The interpreter's tl.dot on bf16 operands is wrong (Triton 3.6 + numpy 2.x), so the kernel then
+    upcasts its dot operands to float32 (DOT_F32); on a GPU the dots stay bf16."""
+    return (type(_sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
+            or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+def _slot_view(kv_cache: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, int, int, int, int]:
+    """Return (cache as one flat row per slot, stride_block, stride_token, block_size, num_slots)."""
+    width = HEAD_DIM if kv_format == "bf16" else FP8_DS_MLA_BYTES
+    if kv_cache.dim() == 4:  # [num_blocks, block_size, 1, width] (FlashMLA's num_heads_k = 1 view)
+        if kv_cache.shape[2] != 1:
+            raise ValueError(f"sparse_mla_attention: kv_cache {tuple(kv_cache.shape)} has "
+                             f"{kv_cache.shape[2]} KV heads; MLA has exactly one")
+        kv_cache = kv_cache[:, :, 0]
+    if kv_cache.dim() == 2:  # [num_slots, width]
+        kv_cache = kv_cache.unsqueeze(1)
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+        raise ValueError(f"sparse_mla_attention: kv_cache shape {tuple(kv_cache.shape)} does not match "
+                         f"kv_format={kv_format!r}; expected [num_blocks, block_size, {width}]")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("sparse_mla_attention: kv_cache must be contiguous in its last dimension")
+    num_blocks, block_size, _ = kv_cache.shape
+    stride_b, stride_t = kv_cache.stride(0), kv_cache.stride(1)
+    if block_size == 1:
+        stride_t = 0
+    if num_blocks == 1:
+        stride_b = 0
+    return kv_cache, stride_b, stride_t, block_size, num_blocks * block_size
+
+
+def _check_inputs(q, kv_cache, indices, kv_format):
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"sparse_mla_attention: kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"sparse_mla_attention: q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
+    if not 1 <= q.shape[1] <= 128:
+        raise ValueError(f"sparse_mla_attention: H must be in 1..128, got {q.shape[1]}")
+    if indices.dim() == 3 and indices.shape[1] == 1:  # FlashMLA's [T, h_kv=1, topk]
+        indices = indices[:, 0]
+    if indices.dim() != 2 or indices.shape[0] != q.shape[0] or indices.shape[1] < 1:
+        raise ValueError(f"sparse_mla_attention: indices must be [T={q.shape[0]}, topk>=1], "
+                         f"got {tuple(indices.shape)}")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"sparse_mla_attention: indices must be int32, got {indices.dtype}")
+    if kv_format == "bf16" and kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"sparse_mla_attention: kv_format='bf16' needs a bfloat16 kv_cache, got {kv_cache.dtype}")
+    if kv_format == "fp8_ds_mla" and kv_cache.element_size() != 1:
+        raise ValueError("sparse_mla_attention: kv_format='fp8_ds_mla' needs a 1-byte (uint8) kv_cache, "
+                         f"got {kv_cache.dtype}")
+    return indices
+
+
+def sparse_mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    kv_format: str = "bf16",
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: SparseMLAConfig | None = None,
+    _fp8_native: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention over a paged latent KV cache (decode and prefill alike).
+
+    Arguments:
+        q: [T, H, 576] torch.bfloat16. Absorbed queries: 512 "nope" values (q_nope @ W_UK) then 64 rope
+            values. T is the number of query tokens (any T >= 0), H any head count in 1..128. The last
+            dimension must be contiguous; T and H may be strided.
+        kv_cache: the paged latent cache, viewed as one row per slot. Shapes accepted:
+            [num_blocks, block_size, W], [num_blocks, block_size, 1, W] (FlashMLA's view),
+            [num_slots, 1, W] or [num_slots, W]; the last dimension contiguous, blocks may be strided.
+            kv_format="bf16": torch.bfloat16, W = 576 (512 kv_c values, then 64 k_pe values).
+            kv_format="fp8_ds_mla": torch.uint8 (any 1-byte dtype), W = 656 bytes per token:
+                bytes [0, 512):   512 float8_e4m3fn values (kv_c quantised in 4 tiles of 128),
+                bytes [512, 528): 4 float32 scales, scale i dequantises values [128*i, 128*i+128),
+                                  value = float(fp8) * scale,
+                bytes [528, 656): 64 bfloat16 k_pe (rope) values, not quantised.
+            Slot s lives at block s // block_size, offset s % block_size.
+        indices: [T, topk] (or [T, 1, topk]) torch.int32 slot ids; any topk >= 1. An id < 0 or
+            >= num_blocks * block_size is skipped. Duplicated ids are attended once per occurrence.
+        softmax_scale: float multiplying q . k before the softmax (e.g. 1/sqrt(576) times any yarn mscale).
+        kv_format: "bf16" or "fp8_ds_mla" (the layout above, as written by vLLM's FlashMLA sparse path).
+        out: optional [T, H, 512] bfloat16 (or float16/float32) tensor to write the output into;
+            last dimension contiguous.
+        lse: optional [T, H] float32 tensor to write the log-sum-exp into (any strides).
+        config: optional :class:`SparseMLAConfig`; default :func:`choose_config` for this device.
+        _fp8_native: testing hook: force (True) or avoid (False) the native e4m3 conversion
+            (default: native on sm_89+ and in the interpreter, bit-manipulation on sm_80/86).
+
+    Returns:
+        out: [T, H, 512], the attention output (bfloat16 unless ``out`` was given).
+        lse: [T, H] float32, natural-log log-sum-exp of the scaled scores over the valid indices.
+        A row without any valid index gets out = 0 and lse = -inf (never NaN).
+    """
+    indices = _check_inputs(q, kv_cache, indices, kv_format)
+    if kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8:
+        kv_cache = kv_cache.view(torch.uint8)
+    kv, stride_b, stride_t, block_size, num_slots = _slot_view(kv_cache, kv_format)
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"sparse_mla_attention: q must be bfloat16, got {q.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError("sparse_mla_attention: q must be contiguous in its last dimension")
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    T, H, _ = q.shape
+    topk = indices.shape[1]
+    if out is None:
+        out = torch.empty((T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
+    elif out.shape != (T, H, KV_LORA_RANK) or out.stride(-1) != 1:
+        raise ValueError(f"sparse_mla_attention: out must be [T, H, 512] with a contiguous last dimension, "
+                         f"got {tuple(out.shape)}")
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    elif lse.shape != (T, H) or lse.dtype != torch.float32:
+        raise ValueError(f"sparse_mla_attention: lse must be float32 [T, H], got {lse.dtype} {tuple(lse.shape)}")
+    if T == 0:
+        return out, lse
+
+    interp = _interpreting()
+    if interp or q.device.type != "cuda":
+        capability, sm_count = (9, 0), 132
+    else:
+        capability = torch.cuda.get_device_capability(q.device)
+        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if config is None:
+        config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
+    bh, bn = config.block_h, config.block_n
+    if bh not in (16, 32, 64, 128) or bn not in (16, 32, 64, 128):
+        raise ValueError(f"sparse_mla_attention: bad config {config}: block_h and block_n must be 16..128, "
+                         "powers of two")
+    num_splits = max(1, min(config.num_splits, triton.cdiv(topk, bn)))
+    split_len = triton.cdiv(triton.cdiv(topk, num_splits), bn) * bn
+    num_splits = triton.cdiv(topk, split_len)
+    num_head_groups = triton.cdiv(H, bh)
+    fp8_native = (capability >= (8, 9)) if _fp8_native is None else bool(_fp8_native)
+    split = num_splits > 1
+    if split:
+        po = torch.empty((T, H, num_splits, KV_LORA_RANK), dtype=torch.float32, device=q.device)
+        plse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused (SPLIT=False)
+
+    grid = (T * num_splits * num_head_groups,)
+    _sparse_mla_fwd_kernel[grid](
+        q, kv, indices, out, lse, po, plse,
+        H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
+        q.stride(0), q.stride(1),
+        stride_b, stride_t,
+        indices.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        float(softmax_scale) * _LOG2E,
+        IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=split, DOT_F32=interp,
+        BLOCK_H=bh, BLOCK_N=bn,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        _sparse_mla_combine_kernel[(T * H,)](
+            po, plse, out, lse, H, num_splits,
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            num_warps=4,
+        )
+    return out, lse
+
+
+def dequantize_fp8_ds_mla(kv_rows: torch.Tensor) -> torch.Tensor:
+    """[..., 656] uint8 rows in the fp8_ds_mla layout -> [..., 576] float32 (512 kv_c, then 64 rope)."""
+    rows = kv_rows.view(torch.uint8)
+    lead = rows.shape[:-1]
+    nope = rows[..., :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    scales = rows[..., KV_LORA_RANK:KV_LORA_RANK + 16].contiguous().view(torch.float32)
+    nope = (nope.view(*lead, 4, FP8_TILE) * scales.view(*lead, 4, 1)).view(*lead, KV_LORA_RANK)
+    rope = rows[..., KV_LORA_RANK + 16:].contiguous().view(torch.bfloat16).to(torch.float32)
+    return torch.cat([nope, rope], dim=-1)
+
+
+def sparse_mla_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    kv_format: str = "bf16",
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    max_chunk_bytes: int = 1 << 29,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch float32 reference with the same arguments and semantics as
+    :func:`sparse_mla_attention`. Returns out [T, H, 512] float32 (or written into ``out``, cast) and
+    lse [T, H] float32. Works on any device; processes tokens in chunks of at most ``max_chunk_bytes``
+    of gathered float32 rows."""
+    indices = _check_inputs(q, kv_cache, indices, kv_format)
+    if kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8:
+        kv_cache = kv_cache.view(torch.uint8)
+    kv, _, _, _, num_slots = _slot_view(kv_cache, kv_format)
+    T, H, _ = q.shape
+    topk = indices.shape[1]
+    flat = kv.reshape(num_slots, kv.shape[-1])  # copies only for strided block layouts
+    res_o = torch.zeros((T, H, KV_LORA_RANK), dtype=torch.float32, device=q.device)
+    res_l = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    chunk = max(1, max_chunk_bytes // max(1, topk * HEAD_DIM * 4))
+    for t0 in range(0, T, chunk):
+        idx = indices[t0:t0 + chunk].long()
+        valid = (idx >= 0) & (idx < num_slots)
+        rows = flat[torch.where(valid, idx, 0)]
+        rows = dequantize_fp8_ds_mla(rows) if kv_format == "fp8_ds_mla" else rows.float()
+        qc = q[t0:t0 + chunk].float()
+        s = torch.einsum("thd,tkd->thk", qc, rows) * softmax_scale
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        l = torch.logsumexp(s, dim=-1)  # -inf for all-invalid rows
+        p = torch.exp(s - torch.where(torch.isinf(l), 0.0, l)[..., None])
+        res_o[t0:t0 + chunk] = torch.einsum("thk,tkd->thd", p, rows[..., :KV_LORA_RANK])
+        res_l[t0:t0 + chunk] = l
+    if out is not None:
+        out.copy_(res_o)
+        res_o = out
+    if lse is not None:
+        lse.copy_(res_l)
+        res_l = lse
+    return res_o, res_l

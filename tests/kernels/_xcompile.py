@@ -1,0 +1,89 @@
+"""Cross-compile a Triton kernel for a CUDA target on a machine without a GPU, and measure it.
+
+Generic helper for the kernel tests (no kernel-specific knowledge here). Works with Triton 3.5 and 3.6:
+``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", cc, 32), options)``
+runs the whole pipeline down to PTX and a cubin; register use and spills are not in the metadata without
+a driver, so they are read from ``ptxas -v`` (the ptxas Triton itself uses for that architecture).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# Opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}
+
+
+@dataclass
+class Compiled:
+    cc: int
+    shared: int          # bytes of shared memory per block (Triton metadata)
+    registers: int       # per thread (ptxas -v)
+    spill_stores: int    # bytes (ptxas -v)
+    spill_loads: int     # bytes (ptxas -v)
+    ptxas: str           # path of the ptxas that produced the numbers
+    ptxas_log: str
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+def ptxas_path(cc: int) -> str:
+    try:  # Triton >= 3.4 picks ptxas-blackwell for sm_100+ itself
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        try:
+            return get_ptxas(cc).path
+        except TypeError:
+            return get_ptxas().path
+    except Exception:  # pragma: no cover - fallback for layouts we do not know
+        import triton.backends.nvidia as nv
+
+        name = "ptxas-blackwell" if cc >= 100 else "ptxas"
+        path = os.path.join(os.path.dirname(nv.__file__), "bin", name)
+        return path if os.path.exists(path) else os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+
+
+def cross_compile(fn, signature: dict, constexprs: dict, cc: int, *, num_warps: int, num_stages: int,
+                  divisible_by_16: tuple[str, ...] = ()) -> Compiled:
+    """Compile ``fn`` (a non-interpreted JITFunction) for sm_<cc> and run ptxas -v on its PTX.
+
+    signature: {arg name: Triton type string ("*bf16", "i32", "fp32", "constexpr")} for every argument.
+    constexprs: {arg name: value} for the constexpr arguments.
+    divisible_by_16: argument names to specialise as 16-divisible (aligned pointers, strides), as a real
+        launch would for typical inputs.
+    """
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible_by_16}
+    src = ASTSource(fn=fn, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = kernel.asm["ptx"]
+    m = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+    arch = m.group(1).rstrip(",") if m else f"sm_{cc}"
+    tool = ptxas_path(cc)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = os.path.join(tmp, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([tool, "-v", f"--gpu-name={arch}", p, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    log = res.stdout + res.stderr
+    if res.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {arch}:\n{log}")
+    regs = re.search(r"Used (\d+) registers", log)
+    st = re.search(r"(\d+) bytes spill stores", log)
+    ld = re.search(r"(\d+) bytes spill loads", log)
+    if not (regs and st and ld):
+        raise RuntimeError(f"could not parse ptxas -v output:\n{log}")
+    return Compiled(cc, int(kernel.metadata.shared), int(regs.group(1)), int(st.group(1)),
+                    int(ld.group(1)), tool, log)
