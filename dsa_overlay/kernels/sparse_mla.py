@@ -273,23 +273,33 @@ class SparseMLAConfig:
         return cls(*(int(g) for g in m.groups()))
 
 
-# Tile table per (capability class, kv format, head bucket): (block_h, block_n, num_warps, num_stages).
-# Every entry is cross-compiled for its targets in tests/kernels/test_sparse_mla_xcompile.py, which
-# asserts the shared-memory limit and zero register spills (ptxas -v).
+# Tile table: (capability class, kv format, head bucket) -> (block_h, block_n, num_warps, num_stages).
+# Every entry is cross-compiled for its targets by tests/kernels/test_sparse_mla_xcompile.py, which
+# asserts the shared-memory limit and zero register spills (ptxas -v). Capability classes:
 #   "sm90": Hopper, 227 KB shared memory per block;  "sm80": A100, 163 KB;
 #   "sm8x": sm_86 / sm_89 / sm_120 (consumer and workstation parts, DGX Spark), 99 KB.
-_TILE_TABLE: dict[tuple[str, str, int], tuple[int, int, int, int]] = {}
-
-
-def _fill_tile_table() -> None:
-    for fmt in KV_FORMATS:
-        for cls_ in ("sm90", "sm80", "sm8x"):
-            _TILE_TABLE[(cls_, fmt, 16)] = (16, 32, 4, 2)
-            _TILE_TABLE[(cls_, fmt, 32)] = (32, 32, 4, 2)
-            _TILE_TABLE[(cls_, fmt, 64)] = (64, 32, 8, 2)
-
-
-_fill_tile_table()
+# Measured there (Triton 3.6): BLOCK_H=64 with fp8 dequantisation spills on every mma.sync target
+# (sm_80/86/89/120), so those use two 32-head groups; BLOCK_H=64 x BLOCK_N=32 bf16 spills on sm_8x.
+_TILE_TABLE: dict[tuple[str, str, int], tuple[int, int, int, int]] = {
+    ("sm90", "bf16", 16): (16, 64, 8, 2),
+    ("sm90", "bf16", 32): (32, 64, 8, 2),
+    ("sm90", "bf16", 64): (64, 32, 8, 2),
+    ("sm90", "fp8_ds_mla", 16): (16, 64, 8, 2),
+    ("sm90", "fp8_ds_mla", 32): (32, 32, 8, 2),
+    ("sm90", "fp8_ds_mla", 64): (64, 32, 8, 2),
+    ("sm80", "bf16", 16): (16, 64, 8, 2),
+    ("sm80", "bf16", 32): (32, 64, 8, 2),
+    ("sm80", "bf16", 64): (64, 16, 8, 2),
+    ("sm80", "fp8_ds_mla", 16): (16, 64, 8, 2),
+    ("sm80", "fp8_ds_mla", 32): (32, 32, 8, 2),
+    ("sm80", "fp8_ds_mla", 64): (32, 32, 8, 2),
+    ("sm8x", "bf16", 16): (16, 32, 4, 2),  # (16, 32, 8, 2) spills 4 B on sm_120 (ptxas 12.9 caps it at 128 regs)
+    ("sm8x", "bf16", 32): (32, 32, 8, 2),
+    ("sm8x", "bf16", 64): (64, 16, 8, 2),
+    ("sm8x", "fp8_ds_mla", 16): (16, 32, 8, 2),
+    ("sm8x", "fp8_ds_mla", 32): (32, 32, 8, 2),
+    ("sm8x", "fp8_ds_mla", 64): (32, 32, 8, 2),
+}
 
 
 def _capability_class(capability: tuple[int, int]) -> str:
@@ -315,14 +325,14 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
                   sm_count: int = 132, capability: tuple[int, int] = (9, 0)) -> SparseMLAConfig:
     """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes).
 
-    Tiles come from a per-capability table (by head bucket); the top-k list is then split until the
-    grid fills about two waves of SMs, keeping at least two BLOCK_N tiles per split.
+    Tiles come from a per-capability table (by head bucket). When (tokens x head groups) programs do not
+    fill one wave of SMs, the top-k list is split until they do (at most one split per BLOCK_N tile);
+    partial results are merged by lse in a second kernel.
     """
     bh, bn, nw, ns = _TILE_TABLE[(_capability_class(capability), kv_format, _head_bucket(num_heads))]
     programs = max(1, num_tokens) * triton.cdiv(num_heads, bh)
     n_tiles = triton.cdiv(max(topk, 1), bn)
-    want = triton.cdiv(2 * sm_count, programs)
-    splits = max(1, min(want, n_tiles // 2))
+    splits = 1 if programs >= sm_count else max(1, min(n_tiles, sm_count // programs))
     # Re-derive from the split length so that no split is empty.
     split_len = triton.cdiv(triton.cdiv(topk, splits), bn) * bn
     splits = triton.cdiv(topk, split_len)

@@ -242,6 +242,42 @@ def test_kernel_matches_reference(seed, fmt, H, topk, T, block_size, cfg):
     assert (ro[:1, :2].double() - lo).abs().max().item() <= 1e-5 * max(1.0, lo.abs().max().item())
 
 
+FRESH_SEED = int(os.environ.get("SPARSE_MLA_SEED", random.SystemRandom().randrange(1 << 30)))
+
+
+@pytest.mark.parametrize("draw", range(6))
+def test_kernel_fresh_random_shapes(draw):
+    """Shapes, data, indices and launch configuration drawn fresh each run (the seed is in the failure
+    message; rerun with SPARSE_MLA_SEED=<seed> to reproduce)."""
+    seed = FRESH_SEED + draw
+    r = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    fmt = r.choice(M.KV_FORMATS)
+    H = r.choice([1, 2, 3, 5, 7, 8, 11, 16, 19, 31, 32, 33, 64, 65, 100, 128])
+    topk = r.choice([1, 2, 7, 16, 37, 64, 97, 130, 200])
+    T = r.randint(1, 3 if H <= 32 else 1)
+    block_size = r.choice([1, 2, 16, 64])
+    num_blocks = r.randint(1, max(1, 300 // block_size))
+    cache, _ = make_cache(g, num_blocks, block_size, fmt, pad=r.choice([0, 2]), scale=r.choice([0.3, 1.0, 4.0]))
+    q = (torch.randn(T, H, 576, generator=g) * r.choice([0.3, 1.0, 2.0])).to(torch.bfloat16)
+    idx = draw_indices(r, T, topk, num_blocks * block_size,
+                      all_invalid_rows=(r.randrange(T),) if r.random() < 0.3 else ())
+    tiles = sorted({t for cap in [(8, 0), (8, 6), (9, 0)] for f in M.KV_FORMATS for t in M.candidate_tiles(cap, f)})
+    if r.random() < 0.3:
+        config = None
+    else:
+        bh, bn, nw, ns = r.choice(tiles)
+        config = M.SparseMLAConfig(bh, bn, r.randint(1, 6), nw, ns)
+    scale = r.choice([576 ** -0.5, 0.1])
+    what = f"seed={seed} fmt={fmt} H={H} topk={topk} T={T} block_size={block_size} config={config}"
+    out, lse = run_poisoned(q, cache, idx, scale, fmt, config=config)
+    ro, rl = M.sparse_mla_reference(q, cache, idx, scale, fmt)
+    try:
+        check_against(out, lse, ro, rl)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["cvt-e4m3", "bit-trick-sm80"])
 def test_fp8_both_conversion_paths(native):
     r = random.Random(21)

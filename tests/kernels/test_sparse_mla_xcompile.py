@@ -1,0 +1,91 @@
+"""Cross-compile every sparse-MLA kernel configuration the launch heuristic can emit, for every supported
+GPU architecture, without a GPU: each must fit the target's shared memory per block and spill nothing.
+
+The compile needs the real (non-interpreted) JITFunctions, while the interpreter tests set
+TRITON_INTERPRET=1 for this pytest process; so each architecture is checked by running this file as a
+script in a fresh subprocess without TRITON_INTERPRET, which prints one JSON line per compiled kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TARGETS = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0), 120: (12, 0)}
+
+# Arguments a real launch specialises as 16-divisible for the shapes the product sees (aligned
+# allocations; 576-/656-wide rows; block sizes and top-k multiples of 16).
+DIVISIBLE = ("q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr", "plse_ptr", "block_size",
+             "split_len", "stride_qt", "stride_qh", "stride_kvb", "stride_kvt", "stride_it", "stride_ot",
+             "stride_oh")
+
+
+def _signature(fn, pointer_types: dict, floats=("sm_scale_log2",)) -> dict:
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in pointer_types:
+            sig[p.name] = pointer_types[p.name]
+        elif p.name in floats:
+            sig[p.name] = "fp32"
+        else:
+            sig[p.name] = "i32"
+    return sig
+
+
+def _worker(cc: int) -> None:
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(HERE))
+    from _xcompile import SHARED_LIMIT, cross_compile
+
+    from dsa_overlay.kernels import sparse_mla as M
+
+    assert type(M._sparse_mla_fwd_kernel).__name__ == "JITFunction"
+    capability = TARGETS[cc]
+    for fmt in M.KV_FORMATS:
+        for (bh, bn, nw, ns) in M.candidate_tiles(capability, fmt):
+            for split in (False, True):
+                ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fmt == "fp8_ds_mla" else "*bf16",
+                        "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                        "po_ptr": "*fp32" if split else "*bf16", "plse_ptr": "*fp32" if split else "*bf16"}
+                consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=capability >= (8, 9), SPLIT=split,
+                              DOT_F32=False, BLOCK_H=bh, BLOCK_N=bn)
+                c = cross_compile(M._sparse_mla_fwd_kernel, _signature(M._sparse_mla_fwd_kernel, ptrs),
+                                  consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
+                print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns], split=split,
+                                      shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
+                                      spill_stores=c.spill_stores, spill_loads=c.spill_loads)), flush=True)
+    ptrs = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
+    c = cross_compile(M._sparse_mla_combine_kernel, _signature(M._sparse_mla_combine_kernel, ptrs), {}, cc,
+                      num_warps=4, num_stages=2, divisible_by_16=("po_ptr", "out_ptr", "stride_ot", "stride_oh"))
+    print(json.dumps(dict(kernel="combine", cc=cc, fmt="-", tile=None, split=True, shared=c.shared,
+                          limit=SHARED_LIMIT[cc], regs=c.registers, spill_stores=c.spill_stores,
+                          spill_loads=c.spill_loads)), flush=True)
+
+
+@pytest.mark.parametrize("cc", sorted(TARGETS), ids=[f"sm_{c}" for c in sorted(TARGETS)])
+def test_every_heuristic_config_fits_and_does_not_spill(cc):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, str(cc)], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, f"cross-compile for sm_{cc} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert any(r["kernel"] == "fwd" for r in rows) and any(r["kernel"] == "combine" for r in rows)
+    bad = [r for r in rows if r["shared"] > r["limit"] or r["spill_stores"] or r["spill_loads"]]
+    table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']}: shared "
+                      f"{r['shared']}/{r['limit']} B, {r['regs']} regs, spills "
+                      f"{r['spill_stores']}/{r['spill_loads']} B" for r in rows)
+    assert not bad, f"sm_{cc}: configurations over the shared-memory limit or spilling:\n{table}"
+    print(f"sm_{cc}:\n{table}")
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]))
