@@ -33,9 +33,15 @@ def _numpy2_interpreter_shim() -> None:
     if getattr(orig, "_dsa_numpy2_shim", False):
         return
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):  # Triton 3.6 passes a patch scope, 3.5 patches the class directly
+        orig(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched._dsa_numpy2_shim = True
     interp._patch_lang_tensor = patched
@@ -218,6 +224,8 @@ CASES = [
     (8, "fp8_ds_mla", 5, 130, 2, 16, "h16n32s4w4p2"),
     (9, "fp8_ds_mla", 16, 37, 2, 1, None),
     (10, "fp8_ds_mla", 33, 64, 1, 64, "h32n16s2w8p2"),
+    (11, "bf16", 3, 200, 2, 16, "h16n16s13w4p2"),  # more splits than one merge chunk (8)
+    (12, "fp8_ds_mla", 2, 300, 1, 64, "h16n16s19w4p2"),
 ]
 
 
@@ -311,6 +319,22 @@ def test_fp8_subnormals_and_signs_decode_exactly():
         out, lse = run_poisoned(q, cache, idx, 0.1, "fp8_ds_mla", _fp8_native=native)
         # softmax over a single key is exactly 1: out is the row (rounded to bf16 in the interpreter)
         assert torch.allclose(out[:, 0].float(), expect, rtol=2 ** -7, atol=0), native
+
+
+@pytest.mark.parametrize("fmt", M.KV_FORMATS)
+def test_splits_without_any_valid_index_are_ignored(fmt):
+    r = random.Random(8)
+    g = torch.Generator().manual_seed(8)
+    cache, _ = make_cache(g, 2, 64, fmt)
+    T, H, topk = 2, 4, 96
+    q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16)
+    idx = draw_indices(r, T, topk, 128)
+    idx[0, :16] = -1  # split 0 of token 0 is empty
+    idx[0, 48:80] = 128  # splits 3 and 4 of token 0 point past the cache
+    idx[1, 16:] = -7  # token 1: only split 0 has work
+    out, lse = run_poisoned(q, cache, idx, 0.1, fmt, config=M.SparseMLAConfig(16, 16, 6, 4, 2))
+    ro, rl = M.sparse_mla_reference(q, cache, idx, 0.1, fmt)
+    check_against(out, lse, ro, rl)
 
 
 def test_strided_inputs_and_flashmla_shaped_views():
