@@ -31,6 +31,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# --cpu-smoke: run the whole script on the CPU through Triton's interpreter with tiny shapes, to check
+# its plumbing (tables, sweep, error rows) without a GPU. Numbers from it mean nothing.
+SMOKE = "--cpu-smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cpu" if SMOKE else "cuda"
+
 from dsa_overlay.kernels import sparse_mla as SM  # noqa: E402
 
 BYTES_PER_TOKEN = {"bf16": 1152, "fp8_ds_mla": 656}
@@ -52,10 +59,28 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)
 # ----------------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------------
+def sync():
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+class SmokeTimer:
+    """--cpu-smoke stand-in for Timer: wall time of one call, no flush, no graphs."""
+
+    def __init__(self, *_):
+        pass
+
+    def time_us(self, fn, reps=None):
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+
+
 class Timer:
     def __init__(self, reps: int, replays: int):
         self.reps, self.replays = reps, replays
-        self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
         self._flush_us: dict[int, float] = {}
 
     def flush(self):
@@ -106,8 +131,10 @@ class Timer:
 
 
 def copy_bandwidth_tbps() -> float:
+    if SMOKE:
+        return float("nan")
     n = 1 << 30  # 1 GiB
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(3)
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE).fill_(3)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
@@ -144,12 +171,12 @@ def quantize_fp8_ds_mla(x: torch.Tensor) -> torch.Tensor:
 
 
 def make_pools(seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    bf16 = torch.empty(NUM_SLOTS, 576, dtype=torch.bfloat16, device="cuda")
-    fp8 = torch.empty(NUM_SLOTS, 656, dtype=torch.uint8, device="cuda")
-    step = 32768
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    bf16 = torch.empty(NUM_SLOTS, 576, dtype=torch.bfloat16, device=DEVICE)
+    fp8 = torch.empty(NUM_SLOTS, 656, dtype=torch.uint8, device=DEVICE)
+    step = min(32768, NUM_SLOTS)
     for i in range(0, NUM_SLOTS, step):
-        x = torch.randn(step, 576, generator=g, device="cuda")
+        x = torch.randn(step, 576, generator=g, device=DEVICE)
         bf16[i:i + step] = x.to(torch.bfloat16)
         fp8[i:i + step] = quantize_fp8_ds_mla(x)
     nb = NUM_SLOTS // BLOCK_SIZE
@@ -234,6 +261,25 @@ def sweep_configs(fmt, T, H, topk, sm_count, heuristic, prefill):
     return out
 
 
+def _interpreter_numpy2_shim():
+    """Triton 3.5/3.6's interpreter does int(ndarray of shape (1,)), which numpy >= 2.4 rejects."""
+    from triton.runtime import interpreter as interp
+
+    orig = interp._patch_lang_tensor
+
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):
+        orig(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    interp._patch_lang_tensor = patched
+
+
 def fmt_us(x):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
 
@@ -247,20 +293,30 @@ def main():
     ap.add_argument("--topk", type=int, default=TOPK)
     ap.add_argument("--sweep", choices=["none", "full"], default="full",
                     help="also time every candidate config per shape (default: full)")
-    ap.add_argument("--no-prefill", action="store_true", help="skip the T=4096, H=64 prefill-like shape")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill-like shape")
+    ap.add_argument("--prefill-tokens", type=int, default=4096, help="T of the prefill-like shape (H=64)")
     ap.add_argument("--reps", type=int, default=20, help="(flush, call) pairs per CUDA graph")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=300.0,
                     help="stop sweeping (keep heuristic + FlashMLA rows) once this much time has passed")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny shapes on the CPU via TRITON_INTERPRET=1 (checks the script, not the GPU)")
     args = ap.parse_args()
 
     t_start = time.time()
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
-    dev = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(dev)
-    cap = torch.cuda.get_device_capability(dev)
-    sm_count = props.multi_processor_count
+    global NUM_SLOTS, FLUSH_BYTES
+    if SMOKE:
+        _interpreter_numpy2_shim()
+        NUM_SLOTS, FLUSH_BYTES = 1024, 1 << 20
+        dev_name, cap, sm_count, mem_gib = "CPU (Triton interpreter smoke run)", (9, 0), 132, 0
+    else:
+        assert torch.cuda.is_available(), "needs a CUDA GPU (or --cpu-smoke)"
+        dev = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(dev)
+        cap = torch.cuda.get_device_capability(dev)
+        sm_count = props.multi_processor_count
+        dev_name, mem_gib = props.name, props.total_memory / 2**30
     import triton
 
     F, flash_err = load_flashmla()
@@ -275,7 +331,7 @@ def main():
     w = rep.write
     w(f"# Sparse MLA attention benchmark\n\n")
     w(f"- date: {datetime.datetime.now().isoformat(timespec='minutes')}\n")
-    w(f"- device: {props.name}, sm_{cap[0]}{cap[1]}, {sm_count} SMs, {props.total_memory / 2**30:.0f} GiB\n")
+    w(f"- device: {dev_name}, sm_{cap[0]}{cap[1]}, {sm_count} SMs, {mem_gib:.0f} GiB\n")
     w(f"- torch {torch.__version__}, triton {triton.__version__}, vLLM {vllm_ver}"
       f"{'' if F else f' (FlashMLA: {flash_err})'}\n")
     w(f"- KV pool {NUM_SLOTS} slots (block size {BLOCK_SIZE}), topk {args.topk}, random slot ids (duplicates "
@@ -291,23 +347,21 @@ def main():
       ">= 0.7x FlashMLA; prefill T = 4096, H = 64: >= 0.6x FlashMLA sparse prefill.\n\n")
 
     pools = make_pools(args.seed)
-    timer = Timer(args.reps, args.replays)
+    timer = SmokeTimer() if SMOKE else Timer(args.reps, args.replays)
     formats = args.formats.split(",")
     heads = [int(x) for x in args.heads.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     shapes = [(fmt, T, H, False) for fmt in formats for H in heads for T in batches]
     if not args.no_prefill:
-        shapes += [("bf16", 4096, 64, True)]
-        if "fp8_ds_mla" in formats:
-            shapes += [("fp8_ds_mla", 4096, 64, True)]
+        shapes += [(fmt, args.prefill_tokens, 64, True) for fmt in formats]
 
     main_rows, sweep_rows, summary = [], [], []
-    g = torch.Generator(device="cuda").manual_seed(args.seed + 1)
+    g = torch.Generator(device=DEVICE).manual_seed(args.seed + 1)
     for fmt, T, H, prefill in shapes:
         topk = args.topk
         cache = pools[fmt]
-        q = (torch.randn(T, H, 576, generator=g, device="cuda")).to(torch.bfloat16)
-        idx = torch.randint(0, NUM_SLOTS, (T, topk), generator=g, device="cuda", dtype=torch.int32)
+        q = (torch.randn(T, H, 576, generator=g, device=DEVICE)).to(torch.bfloat16)
+        idx = torch.randint(0, NUM_SLOTS, (T, topk), generator=g, device=DEVICE, dtype=torch.int32)
         scale = 576 ** -0.5
         gathered = T * topk * BYTES_PER_TOKEN[fmt]
         flops = 2.0 * T * H * topk * (576 + 512)
@@ -334,8 +388,8 @@ def main():
         else:
             flash_note = f"ERROR {flash_err}"
 
-        out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty(T, H, dtype=torch.float32, device="cuda")
+        out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=DEVICE)
+        lse = torch.empty(T, H, dtype=torch.float32, device=DEVICE)
 
         def ours(cfg):
             return lambda: SM.sparse_mla_attention(q, cache, idx, scale, fmt, out=out, lse=lse, config=cfg)
@@ -370,11 +424,11 @@ def main():
             try:
                 fn = lambda: SM.sparse_mla_reference(q, cache, idx, scale, fmt)  # noqa: E731
                 fn()
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 for _ in range(3):
                     fn()
-                torch.cuda.synchronize()
+                sync()
                 ref_us = (time.perf_counter() - t0) / 3 * 1e6
             except Exception:  # noqa: BLE001
                 ref_us = None
@@ -384,17 +438,21 @@ def main():
                 return "-"
             notes = []
             ratio = flash_us / us if flash_us else None
+
+            def vs(limit):
+                return "? (no FlashMLA time)" if ratio is None else ("yes" if ratio >= limit else "NO")
+
             if prefill:
-                notes.append(("yes" if ratio and ratio >= 0.6 else "NO") + " (>=0.6x FlashMLA)")
+                notes.append(vs(0.6) + " (>=0.6x FlashMLA)")
             elif H <= 64:
-                notes.append(("yes" if ratio and ratio >= 1.0 else "NO") + " (<= FlashMLA)")
+                notes.append(vs(1.0) + " (<= FlashMLA)")
                 if T == 1:
                     notes.append(("yes" if us < 15 else "NO") + " (<15 us)")
                 if gathered >= 64e6:
                     eff = gathered / us / 1e6
                     notes.append(("yes" if eff >= 0.8 * bw else "NO") + f" ({eff / bw * 100:.0f}% of copy BW)")
             elif H == 128 and T == 128:
-                notes.append(("yes" if ratio and ratio >= 0.7 else "NO") + " (>=0.7x FlashMLA)")
+                notes.append(vs(0.7) + " (>=0.7x FlashMLA)")
             return ", ".join(notes) if notes else "-"
 
         def row(impl, cfg, us, err, note=""):
@@ -425,7 +483,8 @@ def main():
               f" {best[0] if best else ''}), FlashMLA {fmt_us(flash_us)} us {flash_note if not flash_us else ''}",
               file=sys.stderr, flush=True)
         del q, idx, out, lse, ref_o
-        torch.cuda.empty_cache()
+        if not SMOKE:
+            torch.cuda.empty_cache()
 
     w("## Results\n\n| shape | impl | config | us | TB/s | TFLOP/s | vs FlashMLA | err | target met? |\n")
     w("|---|---|---|---|---|---|---|---|---|\n")
