@@ -40,7 +40,6 @@ Self-contained: imports torch and triton only (Triton 3.5 and 3.6).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -57,6 +56,12 @@ __all__ = [
     "fp8_paged_mqa_logits_ref",
     "indexer_k_quant_and_cache_ref",
     "dot_mode_for_capability",
+    "launch_configs",
+    "INTERPRETED",
+    "DOT_FP8",
+    "DOT_BF16",
+    "DOT_FP32",
+    "DOT_BYTES_FP32",
     "prefill_config",
     "decode_config",
 ]
@@ -64,8 +69,12 @@ __all__ = [
 HEAD_DIM = 128
 FP8_MAX = 448.0
 
-# How the kernels multiply: native fp8 MMA (sm_89+), fp8 upcast to bf16 (sm_80/86), fp32 (interpreter).
-DOT_FP8, DOT_BF16, DOT_FP32 = 0, 1, 2
+# How the kernels multiply (constexpr DOT_MODE):
+#   DOT_FP8       fp8 tiles, native fp8 MMA (sm_89 and newer);
+#   DOT_BF16      raw e4m3 bytes decoded in registers to bf16 (sm_80/86: Triton has no e4m3 type there);
+#   DOT_FP32      fp8 tiles upcast to fp32 (TRITON_INTERPRET=1: Triton's interpreted bf16 dot is broken);
+#   DOT_BYTES_FP32 raw bytes decoded to fp32 (interpreter check of DOT_BF16's decoder).
+DOT_FP8, DOT_BF16, DOT_FP32, DOT_BYTES_FP32 = 0, 1, 2, 3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,16 +83,41 @@ DOT_FP8, DOT_BF16, DOT_FP32 = 0, 1, 2
 
 
 @triton.jit
+def _e4m3_bytes_to_f32(x):
+    """Exact float32 value of fp8 e4m3fn codes held as uint8 (sm_80/86 have no fp8 type at all).
+    0x7f/0xff (NaN) decode as +-480; vLLM's writers saturate, so they never store them."""
+    x = x.to(tl.int32)
+    mag = x & 0x7F
+    e = mag >> 3
+    m = mag & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((x & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _dot_operand(x, DOT_MODE: tl.constexpr):
+    """Loaded fp8 tile (fp8 for modes 0 and 2, raw uint8 codes for modes 1 and 3) -> MMA operand."""
+    if DOT_MODE == 0:
+        return x
+    elif DOT_MODE == 1:
+        return _e4m3_bytes_to_f32(x).to(tl.bfloat16)
+    elif DOT_MODE == 2:
+        return x.to(tl.float32)
+    else:
+        return _e4m3_bytes_to_f32(x)
+
+
+@triton.jit
 def _score_tile(k, q, w, DOT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr,
                 HP: tl.constexpr):
-    """k [BLOCK_N, D] fp8, q [T * HP, D] fp8, w [T * HP] fp32 -> [BLOCK_N, T] fp32:
-    sum over each token's HP heads of w * relu(k . q)."""
-    if DOT_MODE == 0:
-        s = tl.dot(k, tl.trans(q))
-    elif DOT_MODE == 1:
-        s = tl.dot(k.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
+    """k [BLOCK_N, D] loaded keys, q [T * HP, D] query operand (already `_dot_operand`),
+    w [T * HP] fp32 -> [BLOCK_N, T] fp32: sum over each token's HP heads of w * relu(k . q)."""
+    kk = _dot_operand(k, DOT_MODE)
+    if DOT_MODE >= 2:
+        s = tl.dot(kk, tl.trans(q), input_precision="ieee")
     else:
-        s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+        s = tl.dot(kk, tl.trans(q))
     p = tl.maximum(s, 0.0) * w[None, :]
     return tl.sum(tl.reshape(p, (BLOCK_N, T, HP)), axis=2)
 
@@ -124,6 +158,7 @@ def _mqa_logits_kernel(
     d = tl.arange(0, D)
     q = tl.load(q_ptr + col_tok.to(tl.int64)[:, None] * stride_qm + col_head[:, None] * stride_qh
                 + d[None, :], mask=col_ok[:, None], other=0.0)
+    q = _dot_operand(q, DOT_MODE)
     w = tl.load(w_ptr + col_tok.to(tl.int64) * stride_wm + col_head * stride_wh, mask=col_ok,
                 other=0.0).to(tl.float32)
 
@@ -153,6 +188,20 @@ def _mqa_logits_kernel(
 
 
 @triton.jit
+def _request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift, max_model_len,
+                   clean, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Work items (key tiles, at least 1) of requests [b0, b0 + BLOCK_B); 0 past B."""
+    rb = b0 + tl.arange(0, BLOCK_B)
+    b_ok = rb < B
+    vis = tl.load(cl_ptr + rb[:, None] * stride_cb + tok[None, :] * stride_cj,
+                  mask=b_ok[:, None] & tok_ok[None, :], other=0) + vis_shift[None, :]
+    vis = tl.where(tok_ok[None, :], vis, 0)
+    length = tl.minimum(tl.max(vis, axis=1), max_model_len)
+    length = tl.where(clean != 0, max_model_len, length)
+    return tl.where(b_ok, tl.maximum(tl.cdiv(length, BLOCK_N), 1), 0)
+
+
+@triton.jit
 def _paged_mqa_logits_kernel(
     q_ptr, kv_ptr, kvs_ptr, w_ptr, cl_ptr, bt_ptr, out_ptr,
     B, H, next_n, j0, max_model_len, is_1d, clean, block_size, num_programs,
@@ -166,7 +215,6 @@ def _paged_mqa_logits_kernel(
     tokens sees, or max_model_len when cleaning); program p takes items
     [p * total / P, (p + 1) * total / P) in request-major order."""
     pid = tl.program_id(0)
-    rb = tl.arange(0, BLOCK_B)
     rt = tl.arange(0, T)
     tok = j0 + rt
     tok_ok = tok < next_n
@@ -174,19 +222,27 @@ def _paged_mqa_logits_kernel(
     # context_lens[b] - next_n + j + 1 (1-D; stride_cj is 0 then).
     vis_shift = is_1d * (tok + 1 - next_n)
 
-    b_ok = rb < B
-    vis_all = tl.load(cl_ptr + rb[:, None] * stride_cb + tok[None, :] * stride_cj,
-                      mask=b_ok[:, None] & tok_ok[None, :], other=0) + vis_shift[None, :]
-    vis_all = tl.where(tok_ok[None, :], vis_all, 0)
-    len_all = tl.minimum(tl.max(vis_all, axis=1), max_model_len)
-    len_all = tl.where(clean != 0, max_model_len, len_all)
-    tiles = tl.where(b_ok, tl.maximum(tl.cdiv(len_all, BLOCK_N), 1), 0)
-    cum = tl.cumsum(tiles, axis=0)
-    total = tl.sum(tiles, axis=0).to(tl.int64)
+    # Work items per request, summed over all requests in chunks of BLOCK_B ...
+    total = 0
+    for b0 in range(0, B, BLOCK_B):
+        total += tl.sum(_request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift,
+                                       max_model_len, clean, BLOCK_B, BLOCK_N), axis=0)
+    total = total.to(tl.int64)
     w_start = (pid * total // num_programs).to(tl.int32)
     w_end = ((pid + 1) * total // num_programs).to(tl.int32)
-    b = tl.sum((cum <= w_start).to(tl.int32), axis=0)
-    t = w_start - tl.sum(tl.where(rb == b, cum - tiles, 0), axis=0)
+    # ... then this program's first item: the requests whose items all lie before w_start (each
+    # has at least one item, so the running sum is strictly increasing), and the tile within b.
+    b = 0
+    before = 0
+    run = 0
+    for b0 in range(0, B, BLOCK_B):
+        tiles = _request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift,
+                               max_model_len, clean, BLOCK_B, BLOCK_N)
+        done = (tl.cumsum(tiles, axis=0) + run) <= w_start
+        b += tl.sum(done.to(tl.int32), axis=0)
+        before += tl.sum(tl.where(done, tiles, 0), axis=0)
+        run += tl.sum(tiles, axis=0)
+    t = w_start - before
 
     cols = tl.arange(0, T * HP)
     col_tok = j0 + cols // HP
@@ -203,6 +259,7 @@ def _paged_mqa_logits_kernel(
         kv_len = tl.max(vis, axis=0)
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + col_tok[:, None] * stride_qn
                     + col_head[:, None] * stride_qh + d[None, :], mask=col_ok[:, None], other=0.0)
+        q = _dot_operand(q, DOT_MODE)
         wrow = b.to(tl.int64) * next_n + col_tok
         w = tl.load(w_ptr + wrow * stride_wm + col_head * stride_wh, mask=col_ok,
                     other=0.0).to(tl.float32)
@@ -234,13 +291,16 @@ def _paged_mqa_logits_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Kernels decorated while TRITON_INTERPRET=1 was set run on the CPU (Triton reads it at decoration).
+INTERPRETED = type(_mqa_logits_kernel).__name__ == "InterpretedFunction"
+
+MAX_HEADS = 128
+SUPPORTED_CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
 
 
 def dot_mode_for_capability(capability) -> int:
     """DOT_FP8 on sm_89 and newer (fp8 MMA), DOT_BF16 on sm_80/86; `capability` is (major, minor)
-    or None for the interpreter (DOT_FP32)."""
+    or None for the interpreter (DOT_FP32; DOT_BYTES_FP32 is chosen only by tests)."""
     if capability is None:
         return DOT_FP32
     return DOT_FP8 if tuple(capability) >= (8, 9) else DOT_BF16
@@ -257,22 +317,45 @@ def _padded_heads(heads: int) -> int:
 def prefill_config(capability, heads: int) -> dict:
     """Tile choice of the prefill kernel for a device of `capability` ((major, minor), or None for
     the interpreter) and `heads` index heads.  BT query tokens share each key tile, so one MMA is
-    [BLOCK_N, D] x [D, BT * HP] with HP the padded head count."""
+    [BLOCK_N, D] x [D, BT * HP] with HP the padded head count (at most MAX_HEADS)."""
     hp = _padded_heads(heads)
     hopper = capability is not None and tuple(capability)[0] == 9
     cols = 256 if hopper else 128
-    bt = max(1, cols // hp)
-    return dict(HP=hp, BT=bt, BLOCK_N=128 if hopper else 64, num_warps=8 if hopper else 4,
+    return dict(HP=hp, BT=max(1, min(8, cols // hp)), BLOCK_N=128 if hopper else 64, num_warps=8,
                 num_stages=3, DOT_MODE=dot_mode_for_capability(capability))
 
 
 def decode_config(capability, heads: int, next_n: int) -> dict:
-    """Tile choice of the paged decode kernel: T query tokens of one request (next_n rounded up to a
-    power of two, at most 256 // HP at a time) against BLOCK_N cached keys."""
+    """Tile choice of the paged decode kernel: T query tokens of one request (1 or 2, what vLLM
+    passes natively; a larger next_n runs as several launches of T tokens) against BLOCK_N cached
+    keys, with the requests' work counted BLOCK_B at a time."""
     hp = _padded_heads(heads)
-    t = min(_next_pow2(next_n), max(1, 256 // hp))
-    return dict(HP=hp, T=t, BLOCK_N=64, num_warps=4, num_stages=3,
-                DOT_MODE=dot_mode_for_capability(capability))
+    mode = dot_mode_for_capability(capability)
+    hopper = capability is not None and tuple(capability)[0] == 9
+    # Register budget (no spills, checked by the cross-compile test): sm_80/86 decode e4m3 in
+    # registers, sm_89/120 keep the mma.sync accumulator there; Hopper's wgmma affords T * HP = 256.
+    max_cols = 64 if mode == DOT_BF16 else (256 if hopper or capability is None else 128)
+    t = max(1, min(_next_pow2(next_n), 2, max_cols // hp))
+    block_n = 32 if mode == DOT_BF16 and t * hp > 64 else 64
+    return dict(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, num_warps=8 if mode == DOT_BF16 else 4,
+                num_stages=3, DOT_MODE=mode)
+
+
+def launch_configs(capability) -> list[tuple[str, dict]]:
+    """Every (kernel name, config) the launchers can pick on `capability`: all head counts up to
+    MAX_HEADS and every next_n (next_n > 2 reuses T = 2).  Used by the cross-compile
+    test to check shared memory and spills per target."""
+    out, seen = [], set()
+    hp = 16
+    while hp <= MAX_HEADS:
+        for name, cfg in [("prefill", prefill_config(capability, hp))] + [
+                ("decode", decode_config(capability, hp, n)) for n in (1, 2)]:
+            key = (name, tuple(sorted(cfg.items())))
+            if key not in seen:
+                seen.add(key)
+                out.append((name, cfg))
+        hp *= 2
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,8 +365,11 @@ def _num_sms(device_index: int) -> int:
 
 def _device_info(device: torch.device):
     """(capability or None, number of SMs) for launching on `device`."""
-    if _interpreting() or device.type != "cuda":
+    if INTERPRETED:
         return None, 4
+    if device.type != "cuda":
+        _fail(f"tensors are on {device}; the Triton indexer needs CUDA tensors (or "
+              "TRITON_INTERPRET=1 set before this module is imported, for CPU tests)")
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index), _num_sms(index)
 
@@ -311,6 +397,15 @@ def _fp4_unsupported(what: str):
         "Run without the FP4 indexer cache (attention_config.use_fp4_indexer_cache=False).")
 
 
+def _result(out, shape, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    _check(tuple(out.shape) == tuple(shape) and out.dtype == torch.float32 and out.stride(1) == 1,
+           f"_out must be {list(shape)} float32 with contiguous rows, got {tuple(out.shape)} "
+           f"{out.dtype}")
+    return out
+
+
 def _unpack_q(q, name: str) -> torch.Tensor:
     """0.23.0 passes q as (values, scales_or_None); None scales means the fp8 path."""
     if isinstance(q, (tuple, list)):
@@ -336,6 +431,7 @@ def fp8_mqa_logits(
     clean_logits: bool,
     *,
     _config: dict | None = None,
+    _out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indexer logits of M query tokens against N contiguous keys (prefill; DeepGEMM drop-in).
 
@@ -355,11 +451,15 @@ def fp8_mqa_logits(
     Returns:
         logits: [M, N] float32, logits[m, n] = k_scales[n] * sum_h weights[m, h] *
         relu(q[m, h] . k[n]) for ks[m] <= n < ke[m].
+
+    `_config` (tile overrides) and `_out` (a preallocated [M, N] float32 result) are for tests and
+    benchmarks.
     """
     k, k_scales = kv
     _check(q.dim() == 3, f"q must be [M, H, D], got shape {tuple(q.shape)}")
     M, H, D = q.shape
     _check(D == HEAD_DIM, f"q head dim must be {HEAD_DIM}, got {D}")
+    _check(1 <= H <= MAX_HEADS, f"q must have 1..{MAX_HEADS} index heads, got {H}")
     if q.dtype in _PACKED_FP4 or k.dtype in _PACKED_FP4:
         _fp4_unsupported("q" if q.dtype in _PACKED_FP4 else "kv")
     _check(q.dtype == _FP8, f"q must be torch.float8_e4m3fn, got {q.dtype}")
@@ -381,7 +481,7 @@ def fp8_mqa_logits(
     ks = cu_seqlen_ks.to(torch.int32).contiguous()
     ke = cu_seqlen_ke.to(torch.int32).contiguous()
 
-    logits = torch.empty((M, N), dtype=torch.float32, device=q.device)
+    logits = _result(_out, (M, N), q.device)
     if M == 0 or N == 0:
         return logits
     capability, num_sms = _device_info(q.device)
@@ -393,6 +493,8 @@ def fp8_mqa_logits(
     splits = cfg.get("splits") or max(1, min(n_tiles, triton.cdiv(4 * num_sms, m_groups)))
     n_per_split = triton.cdiv(n_tiles, splits) * bn
     splits = triton.cdiv(N, n_per_split)
+    if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
+        q, k = q.view(torch.uint8), k.view(torch.uint8)
     _mqa_logits_kernel[(m_groups, splits)](
         q, k, k_scales, weights, ks, ke, logits,
         M, N, H,
@@ -474,6 +576,7 @@ def fp8_paged_mqa_logits(
     clean_logits: bool,
     *,
     _config: dict | None = None,
+    _out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indexer logits of next_n query tokens per request against the paged fp8 indexer cache
     (decode; DeepGEMM drop-in).
@@ -501,11 +604,14 @@ def fp8_paged_mqa_logits(
     Returns:
         logits: [B * next_n, max_model_len] float32, row b * next_n + j, column n <
         visible(b, j): k_scale[n] * sum_h weights[row, h] * relu(q[b, j, h] . k[n]).
+
+    `_config` (tile overrides) and `_out` (a preallocated result) are for tests and benchmarks.
     """
     q = q_fp8
     _check(q.dim() == 4, f"q_fp8 must be [B, next_n, H, D], got shape {tuple(q.shape)}")
     B, next_n, H, D = q.shape
     _check(D == HEAD_DIM, f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
+    _check(1 <= H <= MAX_HEADS, f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
     if q.dtype in _PACKED_FP4:
         _fp4_unsupported("q")
     _check(q.dtype == _FP8, f"q_fp8 must be torch.float8_e4m3fn, got {q.dtype}")
@@ -531,7 +637,7 @@ def fp8_paged_mqa_logits(
         q = q.contiguous()
     max_model_len = int(max_model_len)
 
-    logits = torch.empty((B * next_n, max_model_len), dtype=torch.float32, device=q.device)
+    logits = _result(_out, (B * next_n, max_model_len), q.device)
     if B == 0 or max_model_len == 0:
         return logits
     capability, num_sms = _device_info(q.device)
@@ -539,13 +645,15 @@ def fp8_paged_mqa_logits(
     cfg.update(_config or {})
     programs = cfg.get("programs") or 4 * num_sms
     t = cfg["T"]
+    if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
+        q, kv8 = q.view(torch.uint8), kv8.view(torch.uint8)
     for j0 in range(0, next_n, t):
         _paged_mqa_logits_kernel[(programs,)](
             q, kv8, kvf, weights, context_lens, block_tables, logits,
             B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
             stride_cb, stride_cj, block_tables.stride(0), stride_blk, logits.stride(0),
-            D=D, HP=cfg["HP"], T=t, BLOCK_N=cfg["BLOCK_N"], BLOCK_B=max(16, _next_pow2(B)),
+            D=D, HP=cfg["HP"], T=t, BLOCK_N=cfg["BLOCK_N"], BLOCK_B=cfg["BLOCK_B"],
             DOT_MODE=cfg["DOT_MODE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return logits
@@ -568,9 +676,6 @@ def fp8_fp4_paged_mqa_logits(
     raises NotImplementedError.  Everything else as `fp8_paged_mqa_logits`.
     """
     q_values = _unpack_q(q, "q")
-    if context_lens.dim() == 2 and context_lens.shape[1] == 1 and q_values.dim() == 4 \
-            and q_values.shape[1] != 1:
-        context_lens = context_lens[:, 0]
     return fp8_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
                                 schedule_metadata, max_model_len, clean_logits)
 
