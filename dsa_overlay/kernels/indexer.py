@@ -699,14 +699,14 @@ def fp8_mqa_logits_ref(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke) -> torch.Tens
 
 
 def _read_paged_cache(kv_cache: torch.Tensor, D: int = HEAD_DIM):
-    """(values [num_blocks, block_size, D] float64, scales [num_blocks, block_size] float64) read
-    with vLLM's block layout."""
+    """(values [num_blocks, block_size, D] float8_e4m3fn, scales [num_blocks, block_size] float32):
+    views of the paged cache in vLLM's block layout (no copy)."""
     kv8, kvf, block_size, stride_blk = _split_paged_cache(kv_cache, D)
     nb = kv_cache.shape[0]
     vals = torch.as_strided(kv8, (nb, block_size, D), (stride_blk, D, 1))
     scales = torch.as_strided(kvf, (nb, block_size), (stride_blk // 4, 1),
                               storage_offset=kvf.storage_offset() + block_size * D // 4)
-    return vals.to(torch.float64), scales.to(torch.float64)
+    return vals, scales
 
 
 def fp8_paged_mqa_logits_ref(q, kv_cache, weights, context_lens, block_tables,
@@ -727,7 +727,8 @@ def fp8_paged_mqa_logits_ref(q, kv_cache, weights, context_lens, block_tables,
                 continue
             pos = torch.arange(vis, device=q.device)
             phys = block_tables[b, pos // block_size].long()
-            k = vals[phys, pos % block_size] * scales[phys, pos % block_size][:, None]
+            k = (vals[phys, pos % block_size].to(torch.float64)
+                 * scales[phys, pos % block_size].to(torch.float64)[:, None])
             s = (q[b, j].to(torch.float64) @ k.T).clamp_min(0)              # [H, vis]
             out[b * next_n + j, :vis] = (s * weights[b * next_n + j].to(torch.float64)[:, None]).sum(0)
     return out.to(torch.float32)

@@ -281,7 +281,8 @@ def _paged_bound(q, cache, w, tables, max_model_len):
     out = torch.zeros(B * next_n, max_model_len, dtype=torch.float64)
     for b in range(B):
         blk = tables[b, (pos // bs).clamp_max(tables.shape[1] - 1)].long()
-        k = torch.nan_to_num(vals[blk, pos % bs] * scales[blk, pos % bs][:, None], nan=0.0)
+        k = vals[blk, pos % bs].double() * scales[blk, pos % bs].double()[:, None]
+        k = torch.nan_to_num(k, nan=0.0)
         out[b * next_n:(b + 1) * next_n] = _error_bound(q[b], k, w[b * next_n:(b + 1) * next_n])
     return out
 
