@@ -51,9 +51,15 @@ if CPU_SMOKE:  # Triton <= 3.6 interpreter vs numpy >= 2.4 (triton-lang/triton#9
 
     _orig_patch = _interp._patch_lang_tensor
 
-    def _patched(tensor, scope):
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def _index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def _patched(tensor, *scope):
+        _orig_patch(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", _index)
+        else:
+            tensor.__index__ = _index
 
     _interp._patch_lang_tensor = _patched
 

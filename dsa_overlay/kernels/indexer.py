@@ -28,11 +28,14 @@ block (`kv_cache.stride(0)` bytes apart) holds `block_size * D` fp8 bytes (token
 
 How the kernels work: a tile of BLOCK_N keys is multiplied by all heads of a few query tokens at once
 (`K[BLOCK_N, D] @ Q[T * H, D]^T`, the key rows as the MMA's M dimension), then ReLU, head weights and
-a sum over each token's heads reduce it to `[BLOCK_N, T]`.  The dot runs natively in fp8 on sm_89+,
-in bf16 on sm_80/86 (e4m3 values are exact in bf16, so both give exact products), and in fp32 under
-`TRITON_INTERPRET=1`, where Triton's bf16 dot is broken.  Decode is a persistent kernel that splits
-the total number of key tiles of all requests evenly over the programs, so it needs no scheduling
-metadata and stays CUDA-graph safe (its grid depends only on the device).
+a sum over each token's heads reduce it to `[BLOCK_N, T]` (the ReLU is per head, the weights may
+be negative).  The dot runs natively in fp8 on sm_89+; on sm_80/86, where Triton has no e4m3 type,
+the raw bytes are decoded in registers to bf16 (exact: every e4m3 value is a bf16 value); under
+`TRITON_INTERPRET=1` it runs in fp32, because Triton's interpreted bf16 dot is broken.  Products are
+exact and accumulate in fp32 (on sm_90 with wgmma's fp8 accumulator, like DeepGEMM).  Decode is a
+persistent kernel that splits the total number of key tiles of all requests evenly over its
+programs, so it needs no scheduling metadata and stays CUDA-graph safe (its grid depends only on
+the device).
 
 Self-contained: imports torch and triton only (Triton 3.5 and 3.6).
 """

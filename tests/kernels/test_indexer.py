@@ -37,9 +37,15 @@ def _numpy24_interpreter_fix() -> None:
     if getattr(original, "_indexer_numpy24_fix", False):
         return
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):   # Triton 3.6 passes a patch scope, 3.5 sets attributes directly
+        original(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched._indexer_numpy24_fix = True
     interpreter._patch_lang_tensor = patched
