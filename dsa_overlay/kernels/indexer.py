@@ -1,0 +1,781 @@
+"""DSA indexer logits without DeepGEMM: Triton fp8 MQA logits for prefill and paged decode.
+
+DeepSeek Sparse Attention picks, for every query token, the top-k key positions by an "indexer"
+score.  vLLM computes that score with DeepGEMM (`fp8_mqa_logits`, `fp8_paged_mqa_logits`), which
+exists only for compute capability 9.x/10.x and only for 32 or 64 index heads.  This module provides
+the same functions as Triton kernels for sm_80, sm_86, sm_89, sm_90 and sm_120, any head count:
+
+    logits[m, n] = scale_k[n] * sum_h weights[m, h] * relu(q[m, h, :] . k[n, :])
+
+with q and k in fp8 e4m3 (D = 128) and one fp32 dequantisation scale per key.  The scale is applied
+after the ReLU and the head sum, like DeepGEMM; the two forms agree because every vLLM writer of the
+indexer cache stores positive scales (`max(amax, 1e-4) / 448`, optionally rounded up to a power of 2).
+
+Public functions (drop-in for `vllm.utils.deep_gemm`):
+
+* vLLM 0.16.0 names: `fp8_mqa_logits`, `fp8_paged_mqa_logits`, `get_paged_mqa_logits_metadata`.
+* vLLM 0.23.0 names: `fp8_fp4_mqa_logits`, `fp8_fp4_paged_mqa_logits` (fp8 query path only; an
+  MXFP4 query or cache raises `NotImplementedError`), `get_paged_mqa_logits_metadata`.
+* Float references and a cache writer for tests: `fp8_mqa_logits_ref`, `fp8_paged_mqa_logits_ref`,
+  `indexer_k_quant_and_cache_ref`.
+
+The paged cache layout (vLLM's `indexer_k_quant_and_cache`, measured on an H200 against DeepGEMM):
+the cache is allocated as uint8 `[num_blocks, block_size, D + 4]` and handed to the logits kernel as
+the view `[num_blocks, block_size, 1, D + 4]`, but it is *not* token-interleaved.  Each physical
+block (`kv_cache.stride(0)` bytes apart) holds `block_size * D` fp8 bytes (token t's values at byte
+`t * D`), followed by `block_size` little-endian float32 scales (token t's at byte
+`block_size * D + 4 * t`).
+
+How the kernels work: a tile of BLOCK_N keys is multiplied by all heads of a few query tokens at once
+(`K[BLOCK_N, D] @ Q[T * H, D]^T`, the key rows as the MMA's M dimension), then ReLU, head weights and
+a sum over each token's heads reduce it to `[BLOCK_N, T]` (the ReLU is per head, the weights may
+be negative).  The dot runs natively in fp8 on sm_89+; on sm_80/86, where Triton has no e4m3 type,
+the raw bytes are decoded in registers to bf16 (exact: every e4m3 value is a bf16 value); under
+`TRITON_INTERPRET=1` it runs in fp32, because Triton's interpreted bf16 dot is broken.  Products are
+exact and accumulate in fp32 (on sm_90 with wgmma's fp8 accumulator, like DeepGEMM).  Decode is a
+persistent kernel that splits the total number of key tiles of all requests evenly over its
+programs, so it needs no scheduling metadata and stays CUDA-graph safe (its grid depends only on
+the device).
+
+Self-contained: imports torch and triton only (Triton 3.5 and 3.6).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "HEAD_DIM",
+    "fp8_mqa_logits",
+    "fp8_paged_mqa_logits",
+    "get_paged_mqa_logits_metadata",
+    "fp8_fp4_mqa_logits",
+    "fp8_fp4_paged_mqa_logits",
+    "fp8_mqa_logits_ref",
+    "fp8_paged_mqa_logits_ref",
+    "indexer_k_quant_and_cache_ref",
+    "dot_mode_for_capability",
+    "launch_configs",
+    "INTERPRETED",
+    "DOT_FP8",
+    "DOT_BF16",
+    "DOT_FP32",
+    "DOT_BYTES_FP32",
+    "prefill_config",
+    "decode_config",
+]
+
+HEAD_DIM = 128
+FP8_MAX = 448.0
+
+# How the kernels multiply (constexpr DOT_MODE):
+#   DOT_FP8       fp8 tiles, native fp8 MMA (sm_89 and newer);
+#   DOT_BF16      raw e4m3 bytes decoded in registers to bf16 (sm_80/86: Triton has no e4m3 type there);
+#   DOT_FP32      fp8 tiles upcast to fp32 (TRITON_INTERPRET=1: Triton's interpreted bf16 dot is broken);
+#   DOT_BYTES_FP32 raw bytes decoded to fp32 (interpreter check of DOT_BF16's decoder).
+DOT_FP8, DOT_BF16, DOT_FP32, DOT_BYTES_FP32 = 0, 1, 2, 3
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3_bytes_to_f32(x):
+    """Exact float32 value of fp8 e4m3fn codes held as uint8 (sm_80/86 have no fp8 type at all).
+    0x7f/0xff (NaN) decode as +-480; vLLM's writers saturate, so they never store them."""
+    x = x.to(tl.int32)
+    mag = x & 0x7F
+    e = mag >> 3
+    m = mag & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((x & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _dot_operand(x, DOT_MODE: tl.constexpr):
+    """Loaded fp8 tile (fp8 for modes 0 and 2, raw uint8 codes for modes 1 and 3) -> MMA operand."""
+    if DOT_MODE == 0:
+        return x
+    elif DOT_MODE == 1:
+        return _e4m3_bytes_to_f32(x).to(tl.bfloat16)
+    elif DOT_MODE == 2:
+        return x.to(tl.float32)
+    else:
+        return _e4m3_bytes_to_f32(x)
+
+
+@triton.jit
+def _score_tile(k, q, w, DOT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr,
+                HP: tl.constexpr):
+    """k [BLOCK_N, D] loaded keys, q [T * HP, D] query operand (already `_dot_operand`),
+    w [T * HP] fp32 -> [BLOCK_N, T] fp32: sum over each token's HP heads of w * relu(k . q)."""
+    kk = _dot_operand(k, DOT_MODE)
+    if DOT_MODE >= 2:
+        s = tl.dot(kk, tl.trans(q), input_precision="ieee")
+    else:
+        s = tl.dot(kk, tl.trans(q))
+    p = tl.maximum(s, 0.0) * w[None, :]
+    return tl.sum(tl.reshape(p, (BLOCK_N, T, HP)), axis=2)
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr, k_ptr, ksc_ptr, w_ptr, kstart_ptr, kend_ptr, out_ptr,
+    M, N, H,
+    stride_qm, stride_qh, stride_kn, stride_wm, stride_wh, stride_om,
+    n_per_split, clean,
+    D: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_MODE: tl.constexpr,
+):
+    """Prefill: program (pid_m, pid_s) scores query tokens [pid_m * BT, +BT) against the keys of
+    split pid_s ([pid_s * n_per_split, +n_per_split)) that lie in the union of the tokens' ranges."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m0 = pid_m * BT
+
+    toks = m0 + tl.arange(0, BT)
+    tok_ok = toks < M
+    ks = tl.maximum(tl.load(kstart_ptr + toks, mask=tok_ok, other=N), 0)
+    ke = tl.minimum(tl.load(kend_ptr + toks, mask=tok_ok, other=0), N)
+    lo = tl.min(ks, axis=0)
+    hi = tl.max(ke, axis=0)
+
+    s_lo = pid_s * n_per_split
+    s_hi = tl.minimum(s_lo + n_per_split, N)
+    c_lo = tl.maximum(lo, s_lo) // BLOCK_N * BLOCK_N
+    c_hi = tl.minimum(hi, s_hi)
+
+    # All heads of BT tokens: rows (token, head) of a [BT * HP, D] tile; padded heads load zeros and
+    # weigh 0.
+    cols = tl.arange(0, BT * HP)
+    col_tok = m0 + cols // HP
+    col_head = cols % HP
+    col_ok = (col_tok < M) & (col_head < H)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + col_tok.to(tl.int64)[:, None] * stride_qm + col_head[:, None] * stride_qh
+                + d[None, :], mask=col_ok[:, None], other=0.0)
+    q = _dot_operand(q, DOT_MODE)
+    w = tl.load(w_ptr + col_tok.to(tl.int64) * stride_wm + col_head * stride_wh, mask=col_ok,
+                other=0.0).to(tl.float32)
+
+    out_rows = out_ptr + toks.to(tl.int64)[None, :] * stride_om
+    rn = tl.arange(0, BLOCK_N)
+    for n0 in range(c_lo, c_hi, BLOCK_N):
+        n = n0 + rn
+        n_ok = n < N
+        k = tl.load(k_ptr + n.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=n_ok[:, None],
+                    other=0.0)
+        ksc = tl.load(ksc_ptr + n, mask=n_ok, other=0.0)
+        logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, BT, HP) * ksc[:, None]
+        valid = (n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :])
+        logits = tl.where(valid, logits, float("-inf"))
+        tl.store(out_rows + n[:, None], logits, mask=n_ok[:, None] & tok_ok[None, :])
+
+    if clean:
+        # -inf over the split's columns no token of this group can see.
+        p_end = c_lo + tl.cdiv(tl.maximum(c_hi - c_lo, 0), BLOCK_N) * BLOCK_N
+        neg = tl.full((BLOCK_N, BT), float("-inf"), tl.float32)
+        for n0 in range(s_lo, tl.minimum(c_lo, s_hi), BLOCK_N):
+            n = n0 + rn
+            tl.store(out_rows + n[:, None], neg, mask=(n < s_hi)[:, None] & tok_ok[None, :])
+        for n0 in range(tl.maximum(p_end, s_lo), s_hi, BLOCK_N):
+            n = n0 + rn
+            tl.store(out_rows + n[:, None], neg, mask=(n < s_hi)[:, None] & tok_ok[None, :])
+
+
+@triton.jit
+def _request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift, max_model_len,
+                   clean, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Work items (key tiles, at least 1) of requests [b0, b0 + BLOCK_B); 0 past B."""
+    rb = b0 + tl.arange(0, BLOCK_B)
+    b_ok = rb < B
+    vis = tl.load(cl_ptr + rb[:, None] * stride_cb + tok[None, :] * stride_cj,
+                  mask=b_ok[:, None] & tok_ok[None, :], other=0) + vis_shift[None, :]
+    vis = tl.where(tok_ok[None, :], vis, 0)
+    length = tl.minimum(tl.max(vis, axis=1), max_model_len)
+    length = tl.where(clean != 0, max_model_len, length)
+    return tl.where(b_ok, tl.maximum(tl.cdiv(length, BLOCK_N), 1), 0)
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr, kv_ptr, kvs_ptr, w_ptr, cl_ptr, bt_ptr, out_ptr,
+    B, H, next_n, j0, max_model_len, is_1d, clean, block_size, num_programs,
+    stride_qb, stride_qn, stride_qh, stride_wm, stride_wh, stride_cb, stride_cj, stride_btb,
+    stride_blk, stride_om,
+    D: tl.constexpr, HP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    """Decode, persistent: work item = (request b, key tile t) for query tokens [j0, j0 + T) of b.
+    Request b has max(1, cdiv(len_b, BLOCK_N)) items (len_b: the furthest position any of its
+    tokens sees, or max_model_len when cleaning); program p takes items
+    [p * total / P, (p + 1) * total / P) in request-major order."""
+    pid = tl.program_id(0)
+    rt = tl.arange(0, T)
+    tok = j0 + rt
+    tok_ok = tok < next_n
+    # Visible length of token j of request b: context_lens[b, j] (2-D), or
+    # context_lens[b] - next_n + j + 1 (1-D; stride_cj is 0 then).
+    vis_shift = is_1d * (tok + 1 - next_n)
+
+    # Work items per request, summed over all requests in chunks of BLOCK_B ...
+    total = 0
+    for b0 in range(0, B, BLOCK_B):
+        total += tl.sum(_request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift,
+                                       max_model_len, clean, BLOCK_B, BLOCK_N), axis=0)
+    total = total.to(tl.int64)
+    w_start = (pid * total // num_programs).to(tl.int32)
+    w_end = ((pid + 1) * total // num_programs).to(tl.int32)
+    # ... then this program's first item: the requests whose items all lie before w_start (each
+    # has at least one item, so the running sum is strictly increasing), and the tile within b.
+    b = 0
+    before = 0
+    run = 0
+    for b0 in range(0, B, BLOCK_B):
+        tiles = _request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift,
+                               max_model_len, clean, BLOCK_B, BLOCK_N)
+        done = (tl.cumsum(tiles, axis=0) + run) <= w_start
+        b += tl.sum(done.to(tl.int32), axis=0)
+        before += tl.sum(tl.where(done, tiles, 0), axis=0)
+        run += tl.sum(tiles, axis=0)
+    t = w_start - before
+
+    cols = tl.arange(0, T * HP)
+    col_tok = j0 + cols // HP
+    col_head = cols % HP
+    col_ok = (col_tok < next_n) & (col_head < H)
+    d = tl.arange(0, D)
+    rn = tl.arange(0, BLOCK_N)
+    scale_base = block_size * D // 4
+    stride_blk_f = stride_blk // 4
+
+    for _ in range(w_start, w_end):
+        vis = tl.load(cl_ptr + b * stride_cb + tok * stride_cj, mask=tok_ok, other=0) + vis_shift
+        vis = tl.where(tok_ok, tl.minimum(vis, max_model_len), 0)
+        kv_len = tl.max(vis, axis=0)
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + col_tok[:, None] * stride_qn
+                    + col_head[:, None] * stride_qh + d[None, :], mask=col_ok[:, None], other=0.0)
+        q = _dot_operand(q, DOT_MODE)
+        wrow = b.to(tl.int64) * next_n + col_tok
+        w = tl.load(w_ptr + wrow * stride_wm + col_head * stride_wh, mask=col_ok,
+                    other=0.0).to(tl.float32)
+
+        n = t * BLOCK_N + rn
+        n_ok = n < kv_len
+        phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + n // block_size, mask=n_ok,
+                       other=0).to(tl.int64)
+        off = n % block_size
+        k = tl.load(kv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
+                    mask=n_ok[:, None], other=0.0)
+        ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok, other=0.0)
+        logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
+        logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
+        orow = b.to(tl.int64) * next_n + tok
+        tl.store(out_ptr + orow[None, :] * stride_om + n[:, None], logits,
+                 mask=(n < max_model_len)[:, None] & tok_ok[None, :])
+
+        # Advance to the next item; every request owns at least one.
+        len_b = tl.where(clean != 0, max_model_len, kv_len)
+        t += 1
+        nxt = t >= tl.maximum(tl.cdiv(len_b, BLOCK_N), 1)
+        b = tl.where(nxt, b + 1, b)
+        t = tl.where(nxt, 0, t)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------------
+
+
+# Kernels decorated while TRITON_INTERPRET=1 was set run on the CPU (Triton reads it at decoration).
+INTERPRETED = type(_mqa_logits_kernel).__name__ == "InterpretedFunction"
+
+MAX_HEADS = 128
+SUPPORTED_CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
+
+
+def dot_mode_for_capability(capability) -> int:
+    """DOT_FP8 on sm_89 and newer (fp8 MMA), DOT_BF16 on sm_80/86; `capability` is (major, minor)
+    or None for the interpreter (DOT_FP32; DOT_BYTES_FP32 is chosen only by tests)."""
+    if capability is None:
+        return DOT_FP32
+    return DOT_FP8 if tuple(capability) >= (8, 9) else DOT_BF16
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _padded_heads(heads: int) -> int:
+    return max(16, _next_pow2(heads))
+
+
+def prefill_config(capability, heads: int) -> dict:
+    """Tile choice of the prefill kernel for a device of `capability` ((major, minor), or None for
+    the interpreter) and `heads` index heads.  BT query tokens share each key tile, so one MMA is
+    [BLOCK_N, D] x [D, BT * HP] with HP the padded head count (at most MAX_HEADS)."""
+    hp = _padded_heads(heads)
+    hopper = capability is not None and tuple(capability)[0] == 9
+    cols = 256 if hopper else 128
+    return dict(HP=hp, BT=max(1, min(8, cols // hp)), BLOCK_N=128 if hopper else 64, num_warps=8,
+                num_stages=3, DOT_MODE=dot_mode_for_capability(capability))
+
+
+def decode_config(capability, heads: int, next_n: int) -> dict:
+    """Tile choice of the paged decode kernel: T query tokens of one request (1 or 2, what vLLM
+    passes natively; a larger next_n runs as several launches of T tokens) against BLOCK_N cached
+    keys, with the requests' work counted BLOCK_B at a time."""
+    hp = _padded_heads(heads)
+    mode = dot_mode_for_capability(capability)
+    hopper = capability is not None and tuple(capability)[0] == 9
+    # Register budget (no spills, checked by the cross-compile test): sm_80/86 decode e4m3 in
+    # registers, sm_89/120 keep the mma.sync accumulator there; Hopper's wgmma affords T * HP = 256.
+    max_cols = 64 if mode == DOT_BF16 else (256 if hopper or capability is None else 128)
+    t = max(1, min(_next_pow2(next_n), 2, max_cols // hp))
+    block_n = 32 if mode == DOT_BF16 and t * hp > 64 else 64
+    return dict(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, num_warps=8 if mode == DOT_BF16 else 4,
+                num_stages=3, DOT_MODE=mode)
+
+
+def launch_configs(capability) -> list[tuple[str, dict]]:
+    """Every (kernel name, config) the launchers can pick on `capability`: all head counts up to
+    MAX_HEADS and every next_n (next_n > 2 reuses T = 2).  Used by the cross-compile
+    test to check shared memory and spills per target."""
+    out, seen = [], set()
+    hp = 16
+    while hp <= MAX_HEADS:
+        for name, cfg in [("prefill", prefill_config(capability, hp))] + [
+                ("decode", decode_config(capability, hp, n)) for n in (1, 2)]:
+            key = (name, tuple(sorted(cfg.items())))
+            if key not in seen:
+                seen.add(key)
+                out.append((name, cfg))
+        hp *= 2
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_info(device: torch.device):
+    """(capability or None, number of SMs) for launching on `device`."""
+    if INTERPRETED:
+        return None, 4
+    if device.type != "cuda":
+        _fail(f"tensors are on {device}; the Triton indexer needs CUDA tensors (or "
+              "TRITON_INTERPRET=1 set before this module is imported, for CPU tests)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index), _num_sms(index)
+
+
+# --------------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------------
+
+_FP8 = torch.float8_e4m3fn
+_PACKED_FP4 = (torch.int8, torch.uint8)
+
+
+def _fail(msg: str):
+    raise ValueError(f"dsa_overlay indexer: {msg}")
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        _fail(msg)
+
+
+def _fp4_unsupported(what: str):
+    raise NotImplementedError(
+        f"dsa_overlay indexer: {what} is MXFP4; the Triton indexer implements the fp8 path only. "
+        "Run without the FP4 indexer cache (attention_config.use_fp4_indexer_cache=False).")
+
+
+def _result(out, shape, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    _check(tuple(out.shape) == tuple(shape) and out.dtype == torch.float32 and out.stride(1) == 1,
+           f"_out must be {list(shape)} float32 with contiguous rows, got {tuple(out.shape)} "
+           f"{out.dtype}")
+    return out
+
+
+def _unpack_q(q, name: str) -> torch.Tensor:
+    """0.23.0 passes q as (values, scales_or_None); None scales means the fp8 path."""
+    if isinstance(q, (tuple, list)):
+        _check(len(q) == 2, f"{name} must be (values, scales) or a tensor")
+        values, scales = q
+        if scales is not None or values.dtype in _PACKED_FP4:
+            _fp4_unsupported(name)
+        return values
+    return q
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefill
+# --------------------------------------------------------------------------------------------------
+
+
+def fp8_mqa_logits(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seqlen_ks: torch.Tensor,
+    cu_seqlen_ke: torch.Tensor,
+    clean_logits: bool,
+    *,
+    _config: dict | None = None,
+    _out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer logits of M query tokens against N contiguous keys (prefill; DeepGEMM drop-in).
+
+    Args:
+        q: [M, H, D] torch.float8_e4m3fn, D = 128; any H >= 1.  Query token m, index head h.
+            The last dimension must be contiguous.
+        kv: (k, k_scales). k: [N, D] torch.float8_e4m3fn, rows may be strided, last dim contiguous;
+            k_scales: [N] (or [N, 1]) torch.float32, the positive dequantisation scale of key n.
+        weights: [M, H] float32 (bf16/fp16 accepted), head weights of each query token (vLLM folds
+            the query's own scale and softmax scale in here).
+        cu_seqlen_ks: [M] int32, first key (inclusive) query m may see.
+        cu_seqlen_ke: [M] int32, end key (exclusive) query m may see.  Ranges may be empty
+            (ks >= ke); they are clipped to [0, N).
+        clean_logits: True: every position outside [ks[m], ke[m]) is -inf.  False (what vLLM
+            passes): positions outside the range are unspecified (vLLM's top-k reads only the range).
+
+    Returns:
+        logits: [M, N] float32, logits[m, n] = k_scales[n] * sum_h weights[m, h] *
+        relu(q[m, h] . k[n]) for ks[m] <= n < ke[m].
+
+    `_config` (tile overrides) and `_out` (a preallocated [M, N] float32 result) are for tests and
+    benchmarks.
+    """
+    k, k_scales = kv
+    _check(q.dim() == 3, f"q must be [M, H, D], got shape {tuple(q.shape)}")
+    M, H, D = q.shape
+    _check(D == HEAD_DIM, f"q head dim must be {HEAD_DIM}, got {D}")
+    _check(1 <= H <= MAX_HEADS, f"q must have 1..{MAX_HEADS} index heads, got {H}")
+    if q.dtype in _PACKED_FP4 or k.dtype in _PACKED_FP4:
+        _fp4_unsupported("q" if q.dtype in _PACKED_FP4 else "kv")
+    _check(q.dtype == _FP8, f"q must be torch.float8_e4m3fn, got {q.dtype}")
+    _check(k.dtype == _FP8, f"kv[0] (k) must be torch.float8_e4m3fn, got {k.dtype}")
+    _check(k.dim() == 2 and k.shape[1] == D, f"kv[0] (k) must be [N, {D}], got {tuple(k.shape)}")
+    N = k.shape[0]
+    k_scales = k_scales.reshape(-1)
+    _check(k_scales.numel() == N and k_scales.dtype == torch.float32,
+           f"kv[1] (k_scales) must be [N={N}] float32, got {tuple(k_scales.shape)} {k_scales.dtype}")
+    _check(weights.shape == (M, H), f"weights must be [M={M}, H={H}], got {tuple(weights.shape)}")
+    _check(cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,),
+           f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
+           f"and {tuple(cu_seqlen_ke.shape)}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    k_scales = k_scales.contiguous()
+    ks = cu_seqlen_ks.to(torch.int32).contiguous()
+    ke = cu_seqlen_ke.to(torch.int32).contiguous()
+
+    logits = _result(_out, (M, N), q.device)
+    if M == 0 or N == 0:
+        return logits
+    capability, num_sms = _device_info(q.device)
+    cfg = dict(prefill_config(capability, H))
+    cfg.update(_config or {})
+    bn, bt = cfg["BLOCK_N"], cfg["BT"]
+    m_groups = triton.cdiv(M, bt)
+    n_tiles = triton.cdiv(N, bn)
+    splits = cfg.get("splits") or max(1, min(n_tiles, triton.cdiv(4 * num_sms, m_groups)))
+    n_per_split = triton.cdiv(n_tiles, splits) * bn
+    splits = triton.cdiv(N, n_per_split)
+    if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
+        q, k = q.view(torch.uint8), k.view(torch.uint8)
+    _mqa_logits_kernel[(m_groups, splits)](
+        q, k, k_scales, weights, ks, ke, logits,
+        M, N, H,
+        q.stride(0), q.stride(1), k.stride(0), weights.stride(0), weights.stride(1),
+        logits.stride(0),
+        n_per_split, int(bool(clean_logits)),
+        D=D, HP=cfg["HP"], BT=bt, BLOCK_N=bn, DOT_MODE=cfg["DOT_MODE"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return logits
+
+
+def fp8_fp4_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seqlen_ks: torch.Tensor,
+    cu_seqlen_ke: torch.Tensor,
+    clean_logits: bool,
+) -> torch.Tensor:
+    """vLLM 0.23.0 name of `fp8_mqa_logits`: q is (q_values [M, H, D] float8_e4m3fn, None).
+
+    A packed MXFP4 query (int8/uint8 values, or a non-None q scale) or MXFP4 keys raise
+    NotImplementedError.  Everything else as `fp8_mqa_logits`.
+    """
+    return fp8_mqa_logits(_unpack_q(q, "q"), kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
+
+
+# --------------------------------------------------------------------------------------------------
+# Paged decode
+# --------------------------------------------------------------------------------------------------
+
+
+def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
+                                  num_sms: int) -> torch.Tensor:
+    """Scheduling metadata slot for `fp8_paged_mqa_logits` (DeepGEMM drop-in).
+
+    The Triton decode kernel balances its work itself, so this returns zeros of the shape vLLM's
+    metadata buffer has: [num_sms + 1, 2] int32 on context_lens' device.  `fp8_paged_mqa_logits`
+    ignores the value, so a stale or never-filled buffer is harmless.
+    """
+    return torch.zeros((int(num_sms) + 1, 2), dtype=torch.int32, device=context_lens.device)
+
+
+def _split_paged_cache(kv_cache: torch.Tensor, D: int):
+    """(fp8 view, float32 view, block_size, bytes per block) of a paged indexer cache."""
+    _check(kv_cache.dtype == torch.uint8, f"kv_cache must be torch.uint8, got {kv_cache.dtype}")
+    if kv_cache.dim() == 4:
+        _check(kv_cache.shape[2] == 1, f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], "
+               f"got {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], got "
+           f"{tuple(kv_cache.shape)}")
+    nb, block_size, width = kv_cache.shape
+    if width == D // 2 + D // 32:
+        _fp4_unsupported("kv_cache")
+    _check(width == D + 4, f"kv_cache last dim must be D + 4 = {D + 4} (fp8 values + fp32 scale), "
+           f"got {width}")
+    _check(kv_cache.stride(2) == 1 and kv_cache.stride(1) == width,
+           f"kv_cache must be contiguous inside a block, got strides {kv_cache.stride()}")
+    stride_blk = kv_cache.stride(0)
+    _check(stride_blk % 16 == 0, f"kv_cache block stride must be a multiple of 16 bytes, got "
+           f"{stride_blk}")
+    _check(kv_cache.storage_offset() % 16 == 0, "kv_cache must start 16-byte aligned")
+    # Views over the whole storage from the tensor's first byte: fp8 values and fp32 scales.
+    span = (nb - 1) * stride_blk + block_size * width if nb > 0 else 0
+    flat = kv_cache.as_strided((span,), (1,))
+    return flat.view(_FP8), flat.view(torch.float32), block_size, stride_blk
+
+
+def fp8_paged_mqa_logits(
+    q_fp8: torch.Tensor,
+    kv_cache_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    schedule_metadata: torch.Tensor | None,
+    max_model_len: int,
+    clean_logits: bool,
+    *,
+    _config: dict | None = None,
+    _out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer logits of next_n query tokens per request against the paged fp8 indexer cache
+    (decode; DeepGEMM drop-in).
+
+    Args:
+        q_fp8: [B, next_n, H, D] torch.float8_e4m3fn, D = 128, any H >= 1, next_n >= 1 (next_n > 1
+            for speculative decoding: token j is the j-th of the request's last next_n tokens).
+        kv_cache_fp8: [num_blocks, block_size, 1, D + 4] (or [num_blocks, block_size, D + 4]) uint8,
+            vLLM's indexer cache.  Per physical block (kv_cache.stride(0) bytes apart, a multiple of
+            16): block_size * D fp8 e4m3 bytes (token t at byte t * D), then block_size float32
+            scales (token t at byte block_size * D + 4 * t).  See `indexer_k_quant_and_cache_ref`.
+        weights: [B * next_n, H] float32, head weights; row b * next_n + j belongs to token j of
+            request b.
+        context_lens: int32, either [B]: the request's context length L (keys 0..L-1 are cached;
+            token j sees keys n < L - next_n + j + 1, vLLM 0.16.0), or [B, next_n]: the number of
+            keys token j sees (vLLM 0.23.0 passes [B, 1] or [B, next_n]).  0 for padded requests.
+        block_tables: [B, max_blocks] int32, logical block i of request b is physical block
+            block_tables[b, i]; entries past a request's context are never read.
+        schedule_metadata: ignored (see `get_paged_mqa_logits_metadata`); may be None.
+        max_model_len: number of logits columns; visible lengths are clipped to it.
+        clean_logits: True: every column a token does not see is -inf.  False (what vLLM passes):
+            columns at or past a token's visible length are unspecified (vLLM's top-k is bounded
+            by the context lengths).
+
+    Returns:
+        logits: [B * next_n, max_model_len] float32, row b * next_n + j, column n <
+        visible(b, j): k_scale[n] * sum_h weights[row, h] * relu(q[b, j, h] . k[n]).
+
+    `_config` (tile overrides) and `_out` (a preallocated result) are for tests and benchmarks.
+    """
+    q = q_fp8
+    _check(q.dim() == 4, f"q_fp8 must be [B, next_n, H, D], got shape {tuple(q.shape)}")
+    B, next_n, H, D = q.shape
+    _check(D == HEAD_DIM, f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
+    _check(1 <= H <= MAX_HEADS, f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
+    if q.dtype in _PACKED_FP4:
+        _fp4_unsupported("q")
+    _check(q.dtype == _FP8, f"q_fp8 must be torch.float8_e4m3fn, got {q.dtype}")
+    kv8, kvf, block_size, stride_blk = _split_paged_cache(kv_cache_fp8, D)
+    _check(weights.shape == (B * next_n, H),
+           f"weights must be [B * next_n = {B * next_n}, H = {H}], got {tuple(weights.shape)}")
+    if context_lens.dim() == 1:
+        _check(context_lens.shape[0] == B, f"context_lens must be [B={B}] or [B, next_n], got "
+               f"{tuple(context_lens.shape)}")
+        is_1d, stride_cb, stride_cj = 1, context_lens.stride(0), 0
+    else:
+        _check(context_lens.dim() == 2 and context_lens.shape == (B, next_n),
+               f"context_lens must be [B={B}] or [B, next_n={next_n}], got "
+               f"{tuple(context_lens.shape)}")
+        is_1d, stride_cb, stride_cj = 0, context_lens.stride(0), context_lens.stride(1)
+    _check(context_lens.dtype == torch.int32, f"context_lens must be int32, got "
+           f"{context_lens.dtype}")
+    _check(block_tables.dim() == 2 and block_tables.shape[0] >= B
+           and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1,
+           f"block_tables must be [B={B}, max_blocks] int32 with contiguous rows, got "
+           f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    max_model_len = int(max_model_len)
+
+    logits = _result(_out, (B * next_n, max_model_len), q.device)
+    if B == 0 or max_model_len == 0:
+        return logits
+    capability, num_sms = _device_info(q.device)
+    cfg = dict(decode_config(capability, H, next_n))
+    cfg.update(_config or {})
+    programs = cfg.get("programs") or 4 * num_sms
+    t = cfg["T"]
+    if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
+        q, kv8 = q.view(torch.uint8), kv8.view(torch.uint8)
+    for j0 in range(0, next_n, t):
+        _paged_mqa_logits_kernel[(programs,)](
+            q, kv8, kvf, weights, context_lens, block_tables, logits,
+            B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
+            q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+            stride_cb, stride_cj, block_tables.stride(0), stride_blk, logits.stride(0),
+            D=D, HP=cfg["HP"], T=t, BLOCK_N=cfg["BLOCK_N"], BLOCK_B=cfg["BLOCK_B"],
+            DOT_MODE=cfg["DOT_MODE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return logits
+
+
+def fp8_fp4_paged_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    schedule_metadata: torch.Tensor | None,
+    max_model_len: int,
+    clean_logits: bool,
+) -> torch.Tensor:
+    """vLLM 0.23.0 name of `fp8_paged_mqa_logits`: q is (q_values [B, next_n, H, D]
+    float8_e4m3fn, None); context_lens [B], [B, 1] or [B, next_n].
+
+    MXFP4 (packed int8/uint8 q values, a q scale tensor, or a cache of D/2 + D/32 bytes per token)
+    raises NotImplementedError.  Everything else as `fp8_paged_mqa_logits`.
+    """
+    q_values = _unpack_q(q, "q")
+    return fp8_paged_mqa_logits(q_values, kv_cache, weights, context_lens, block_tables,
+                                schedule_metadata, max_model_len, clean_logits)
+
+
+# --------------------------------------------------------------------------------------------------
+# References (torch, float64 math, float32 result) and the cache writer
+# --------------------------------------------------------------------------------------------------
+
+
+def fp8_mqa_logits_ref(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke) -> torch.Tensor:
+    """Plain torch `fp8_mqa_logits` with clean_logits=True semantics: [M, N] float32, -inf outside
+    [ks[m], ke[m]).  Computed in float64, relu applied to scale * dot (the textbook form)."""
+    k, ks = kv
+    qd = q.to(torch.float64)
+    kd = k.to(torch.float64) * ks.reshape(-1, 1).to(torch.float64)
+    s = torch.einsum("mhd,nd->mhn", qd, kd).clamp_min(0)
+    logits = (s * weights.to(torch.float64)[:, :, None]).sum(1)
+    n = torch.arange(k.shape[0], device=q.device)
+    valid = (n[None, :] >= cu_seqlen_ks[:, None].long()) & (n[None, :] < cu_seqlen_ke[:, None].long())
+    return logits.masked_fill(~valid, float("-inf")).to(torch.float32)
+
+
+def _read_paged_cache(kv_cache: torch.Tensor, D: int = HEAD_DIM):
+    """(values [num_blocks, block_size, D] float8_e4m3fn, scales [num_blocks, block_size] float32):
+    views of the paged cache in vLLM's block layout (no copy)."""
+    kv8, kvf, block_size, stride_blk = _split_paged_cache(kv_cache, D)
+    nb = kv_cache.shape[0]
+    vals = torch.as_strided(kv8, (nb, block_size, D), (stride_blk, D, 1))
+    scales = torch.as_strided(kvf, (nb, block_size), (stride_blk // 4, 1),
+                              storage_offset=kvf.storage_offset() + block_size * D // 4)
+    return vals, scales
+
+
+def fp8_paged_mqa_logits_ref(q, kv_cache, weights, context_lens, block_tables,
+                             max_model_len) -> torch.Tensor:
+    """Plain torch `fp8_paged_mqa_logits` with clean_logits=True semantics:
+    [B * next_n, max_model_len] float32, -inf where a token does not see the key.  float64 math."""
+    B, next_n, H, D = q.shape
+    vals, scales = _read_paged_cache(kv_cache, D)
+    block_size = vals.shape[1]
+    out = torch.full((B * next_n, max_model_len), float("-inf"), dtype=torch.float64,
+                     device=q.device)
+    cl = context_lens.long()
+    for b in range(B):
+        for j in range(next_n):
+            vis = int(cl[b, j]) if cl.dim() == 2 else int(cl[b]) - next_n + j + 1
+            vis = min(max(vis, 0), max_model_len)
+            if vis == 0:
+                continue
+            pos = torch.arange(vis, device=q.device)
+            phys = block_tables[b, pos // block_size].long()
+            k = (vals[phys, pos % block_size].to(torch.float64)
+                 * scales[phys, pos % block_size].to(torch.float64)[:, None])
+            s = (q[b, j].to(torch.float64) @ k.T).clamp_min(0)              # [H, vis]
+            out[b * next_n + j, :vis] = (s * weights[b * next_n + j].to(torch.float64)[:, None]).sum(0)
+    return out.to(torch.float32)
+
+
+def indexer_k_quant_and_cache_ref(k: torch.Tensor, kv_cache: torch.Tensor,
+                                  slot_mapping: torch.Tensor, quant_block_size: int = HEAD_DIM,
+                                  scale_fmt: str | None = "ue8m0") -> None:
+    """Write keys into the paged indexer cache exactly like vLLM's `ops.indexer_k_quant_and_cache`.
+
+    Args:
+        k: [num_tokens, D] bf16/fp16/fp32 keys.
+        kv_cache: [num_blocks, block_size, D + 4 * D // quant_block_size] uint8 (a 4-D
+            [.., 1, ..] view is accepted), written in place.
+        slot_mapping: [num_tokens] int64, slot = physical_block * block_size + offset; < 0 skips
+            the token (padding).
+        quant_block_size: values per scale (vLLM uses D = 128: one scale per token).
+        scale_fmt: "ue8m0" rounds each scale up to a power of two; anything else keeps
+            max(amax, 1e-4) / 448.
+
+    Per token and quant block: scale = max(amax, 1e-4) / 448 (ue8m0: 2 ** ceil(log2(scale))),
+    values = saturate(k / scale) to e4m3.  Layout per block: block_size * D value bytes, then the
+    float32 scales (token t, quant block g at byte block_size * D + 4 * (t * D / qbs + g)).
+    """
+    if kv_cache.dim() == 4:
+        kv_cache = kv_cache.squeeze(2)
+    T, D = k.shape
+    nb, block_size, _ = kv_cache.shape
+    groups = D // quant_block_size
+    valid = slot_mapping >= 0
+    if not bool(valid.any()):
+        return
+    k = k[valid].to(torch.float32)
+    slots = slot_mapping[valid].long()
+    kg = k.reshape(-1, groups, quant_block_size)
+    scale = kg.abs().amax(-1).clamp_min(1e-4) / FP8_MAX
+    if scale_fmt == "ue8m0":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    vals = (kg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(_FP8).reshape(-1, D)
+    blk, off = slots // block_size, slots % block_size
+    flat = kv_cache.reshape(nb, -1) if kv_cache.is_contiguous() else None
+    _check(flat is not None, "indexer_k_quant_and_cache_ref needs a contiguous cache")
+    val_idx = (off * D)[:, None] + torch.arange(D, device=k.device)[None, :]
+    flat[blk[:, None], val_idx] = vals.view(torch.uint8)
+    scale_bytes = scale.contiguous().view(torch.uint8).reshape(-1, groups * 4)
+    sc_idx = block_size * D + (off * groups * 4)[:, None] + torch.arange(groups * 4, device=k.device)
+    flat[blk[:, None], sc_idx] = scale_bytes

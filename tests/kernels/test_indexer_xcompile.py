@@ -1,0 +1,141 @@
+"""Every launch configuration of the indexer kernels compiles for sm_80, sm_86, sm_89, sm_90 and
+sm_120, fits the target's shared memory and does not spill registers.
+
+No GPU needed: `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs the whole
+pipeline to PTX on the CPU; shared memory comes from Triton's metadata, registers and spills from
+`ptxas -v` (the ptxas Triton ships).  The compiling runs in a subprocess without TRITON_INTERPRET,
+because the interpreter tests of the same pytest run decorate the kernels for the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TARGETS = (80, 86, 89, 90, 120)
+# Shared memory a block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes.
+SHARED_LIMIT = {80: 163 * 1024, 86: 101376, 89: 101376, 90: 227 * 1024, 120: 101376}
+
+# Arguments a real launch sees as multiples of 16 (Triton specialises them): every pointer (torch
+# allocations, and the cache is checked 16-byte aligned), head-dim multiples, cache geometry.
+_DIV16 = {"stride_qm", "stride_qh", "stride_kn", "stride_qb", "stride_qn", "stride_blk",
+          "n_per_split"}
+
+
+def _ptxas(cc: int) -> str:
+    from triton.backends.nvidia import compiler as nv
+
+    try:
+        return nv.get_ptxas(cc).path
+    except TypeError:  # Triton 3.5: no arch argument
+        return nv.get_ptxas().path
+
+
+def _signature(fn, dot_mode: int, fp8_mode: int):
+    sig, div = {}, []
+    for p in fn.params:
+        name = p.name
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            if name in ("q_ptr", "k_ptr", "kv_ptr"):
+                sig[name] = "*fp8e4nv" if dot_mode == fp8_mode else "*u8"
+            elif name in ("kstart_ptr", "kend_ptr", "cl_ptr", "bt_ptr"):
+                sig[name] = "*i32"
+            else:
+                sig[name] = "*fp32"
+            div.append(name)
+        else:
+            sig[name] = "i32"
+            if name in _DIV16:
+                div.append(name)
+    return sig, div
+
+
+def _compile_one(ix, name: str, cfg: dict, cc: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = ix._mqa_logits_kernel if name == "prefill" else ix._paged_mqa_logits_kernel
+    sig, div = _signature(fn, cfg["DOT_MODE"], ix.DOT_FP8)
+    constexpr_names = [p.name for p in fn.params if p.is_constexpr]
+    consts = {k: v for k, v in cfg.items() if k in constexpr_names}
+    consts["D"] = ix.HEAD_DIM
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", cc, 32),
+                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    ptx = kernel.asm["ptx"]
+    arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1).rstrip(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([_ptxas(cc), "-v", f"--gpu-name={arch}", path, "-o", path + ".o"],
+                             capture_output=True, text=True)
+    log = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    return dict(kernel=name, cc=cc, cfg=cfg, shared=int(kernel.metadata.shared), arch=arch,
+                ptxas_rc=res.returncode, registers=int(regs.group(1)) if regs else -1,
+                spill_bytes=sum(int(x) for x in re.findall(r"(\d+) bytes spill", log)),
+                log=log[-2000:])
+
+
+def _worker() -> list[dict]:
+    assert not os.environ.get("TRITON_INTERPRET"), "cross-compiling needs the compiled kernels"
+    sys.path.insert(0, str(ROOT))
+    from dsa_overlay.kernels import indexer as ix
+
+    assert not ix.INTERPRETED
+    out = []
+    for cc in TARGETS:
+        for name, cfg in ix.launch_configs((cc // 10, cc % 10)):
+            out.append(_compile_one(ix, name, cfg, cc))
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("cc", TARGETS)
+def test_every_config_compiles_fits_and_does_not_spill(compiled, cc):
+    rows = [r for r in compiled if r["cc"] == cc]
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"prefill", "decode"}, f"sm_{cc}: compiled only {kernels}"
+    # Both head counts that matter (GLM-5: 32, DeepSeek-V3.2: 64) and a tiny model's (<= 16) are in.
+    assert {16, 32, 64} <= {r["cfg"]["HP"] for r in rows}
+    for r in rows:
+        what = f"sm_{cc} {r['kernel']} {r['cfg']}"
+        assert r["ptxas_rc"] == 0, f"{what}: ptxas failed\n{r['log']}"
+        assert r["arch"].startswith(f"sm_{cc}"), f"{what}: PTX targets {r['arch']}"
+        assert 0 < r["shared"] <= SHARED_LIMIT[cc], f"{what}: {r['shared']} B shared memory"
+        assert 0 < r["registers"] <= 255, f"{what}: {r['registers']} registers"
+        assert r["spill_bytes"] == 0, f"{what}: spills {r['spill_bytes']} bytes\n{r['log']}"
+
+
+def test_native_fp8_dot_only_where_the_target_has_it(compiled):
+    from_cfg = {(r["cc"], r["cfg"]["DOT_MODE"]) for r in compiled}
+    modes = {cc: {m for c, m in from_cfg if c == cc} for cc in TARGETS}
+    assert modes[80] == modes[86] == {1}          # DOT_BF16: e4m3 bytes decoded in registers
+    assert modes[89] == modes[90] == modes[120] == {0}   # DOT_FP8
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    print(json.dumps(_worker()))
