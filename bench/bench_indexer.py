@@ -140,7 +140,7 @@ def _num_sms():
 
 def _empty_cache():
     if not CPU_SMOKE:
-        _empty_cache()
+        torch.cuda.empty_cache()
 
 
 class _Platform:
