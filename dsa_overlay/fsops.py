@@ -1,0 +1,136 @@
+"""File-system primitives of the engine: hashing, the one write primitive, removals, the lock.
+
+Every byte the engine puts on disk goes through `write_file` (temp file in the same directory, fsync,
+`os.replace`), so a crash leaves either the old or the new file, never a torn one, and tests can make
+the n-th write fail by replacing this one function."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import shutil
+from contextlib import suppress
+from pathlib import Path
+
+from .errors import UserError
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: Path) -> str | None:
+    """sha256 of a regular file's bytes, or None when there is no such file."""
+    try:
+        return sha256(path.read_bytes())
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def write_file(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Atomically make `path` hold `data` with permission bits `mode`."""
+    tmp = path.with_name(f".{path.name}.dsa-overlay-tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # O_CREAT applies the umask; keep the mode we were asked for
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def remove_file(path: Path) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def remove_pycache(source: Path) -> None:
+    """Delete `__pycache__/<stem>.*.pyc` of a source file (and the folder if that empties it)."""
+    cache = source.parent / "__pycache__"
+    for pyc in cache.glob(f"{source.stem}.*.pyc"):
+        remove_file(pyc)
+    with suppress(OSError):
+        cache.rmdir()
+
+
+def writable_problem(path: Path) -> str | None:
+    """Why the directory `path` (or, if absent, its nearest existing parent) cannot be written; None if it can."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user"
+    return None
+
+
+class Lock:
+    """An exclusive `flock` on `<state_dir>/lock`, held for a whole apply or rollback.
+
+    The state directory and lock file are created when absent; `release(remove_state_dir=True)` deletes
+    the whole state directory while still holding the lock, so a rollback leaves no trace. A process that
+    waited on a lock file which the holder then deleted notices (the inode changed) and tries again."""
+
+    def __init__(self, state_dir: Path, wait: bool = False):
+        self.state_dir = state_dir
+        self.path = state_dir / "lock"
+        self.wait = wait
+        self.created_dir = False
+        self.fd: int | None = None
+
+    def __enter__(self) -> "Lock":
+        while True:
+            try:
+                os.mkdir(self.state_dir, 0o755)
+                self.created_dir = True
+            except FileExistsError:
+                pass
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+            except OSError as exc:
+                os.close(fd)
+                self._cleanup_if_created()
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise UserError(
+                        f"{self.path}: another dsa-overlay apply/rollback is running on this vLLM; "
+                        "wait for it to finish (or pass --wait)"
+                    ) from None
+                raise
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return self
+            os.close(fd)  # the previous holder removed the state directory: start over
+
+    def _cleanup_if_created(self) -> None:
+        if self.created_dir:
+            with suppress(OSError):
+                os.unlink(self.path)
+            with suppress(OSError):
+                os.rmdir(self.state_dir)
+            self.created_dir = False
+
+    def release(self, remove_state_dir: bool) -> None:
+        if self.fd is None:
+            return
+        try:
+            if remove_state_dir:
+                shutil.rmtree(self.state_dir)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def __exit__(self, *exc) -> None:
+        self.release(remove_state_dir=False)
