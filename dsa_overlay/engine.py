@@ -116,15 +116,14 @@ def rollback(site: Path, force: bool = False, wait: bool = False) -> dict:
     version = vllm_version(site)
     seen = state.load(site)
     if seen is None:
-        return {"action": "rollback", "site": str(site), "changed": False,
-                "message": "no overlay applied here; nothing to roll back"}
+        return _clean_interrupted(site, wait)
     _check_writable([(site / f["path"]).parent for f in seen["patched"]]
                     + [site / manifest.DROPIN_ROOT, state.state_dir(site)])
     with fsops.Lock(state.state_dir(site), wait) as lock:
         current = state.load(site)
         if current is None:
-            return {"action": "rollback", "site": str(site), "changed": False,
-                    "message": "no overlay applied here; nothing to roll back"}
+            lock.release(remove_state_dir=True)
+            return _nothing_applied(site, cleaned=True)
         if current["vllm_version"] != version:
             raise UserError(
                 f"{site}: the overlay was applied to vLLM {current['vllm_version']} but vLLM {version} is installed "
@@ -171,6 +170,26 @@ def rollback(site: Path, force: bool = False, wait: bool = False) -> dict:
     return {"action": "rollback", "site": str(site), "changed": True, "vllm_version": version,
             "restored": sorted(restore), "removed": [f["path"] for f in current["added"]],
             "message": "rolled back; vLLM is pristine again"}
+
+
+def _clean_interrupted(site: Path, wait: bool) -> dict:
+    """No state.json: nothing to roll back, except the state folder of an apply killed before it changed
+    any file (backups only), which is removed."""
+    if not state.state_dir(site).is_dir():
+        return _nothing_applied(site, cleaned=False)
+    _check_writable([state.state_dir(site)])
+    with fsops.Lock(state.state_dir(site), wait) as lock:
+        if state.load(site) is not None:
+            raise UserError(f"{site}: an apply finished while rollback waited; run rollback again")
+        lock.release(remove_state_dir=True)
+    return _nothing_applied(site, cleaned=True)
+
+
+def _nothing_applied(site: Path, cleaned: bool) -> dict:
+    message = ("removed the state folder of an interrupted apply (no file had been changed)" if cleaned
+               else "no overlay applied here; nothing to roll back")
+    return {"action": "rollback", "site": str(site), "changed": cleaned, "restored": [], "removed": [],
+            "message": message}
 
 
 _EDITED = {"modified": "edited", "missing": "deleted", "unexpected": "added to the overlay's folder"}
@@ -228,6 +247,8 @@ def status(site: Path) -> dict:
     if (site / manifest.DROPIN_ROOT).exists():
         files.append({"path": manifest.DROPIN_ROOT, "kind": "unknown", "status": "unexpected"})
     overall = "pristine" if all(f["status"] == "pristine" for f in files) else "modified (no overlay state)"
+    if state.state_dir(site).is_dir():  # an apply under way, or one killed before it changed any file
+        overall = "partially applied"
     return {**info, "state": overall, "files": files}
 
 

@@ -80,17 +80,18 @@ def run(site: Path, python: str | None = None, timeout: float = 900) -> dict:
             "ok": ok, **result}
 
 
-def render(r: dict) -> None:
-    click.echo(f"{r['site']}: {r['checked']}; interpreter {r['interpreter']}; libcuda: {r['libcuda']}")
+def render(r: dict, err: bool = False) -> None:
+    echo = lambda text: click.echo(text, err=err)
+    echo(f"{r['site']}: {r['checked']}; interpreter {r['interpreter']}; libcuda: {r['libcuda']}")
     width = max([len(m["module"]) for m in r["modules"]] + [6])
-    click.echo(f"{'module':<{width}}  result  seconds")
+    echo(f"{'module':<{width}}  result  seconds")
     for m in r["modules"]:
-        click.echo(f"{m['module']:<{width}}  {'ok' if m['ok'] else 'FAIL':<6}  {m['seconds']:7.2f}"
+        echo(f"{m['module']:<{width}}  {'ok' if m['ok'] else 'FAIL':<6}  {m['seconds']:7.2f}"
                    + ("" if m["ok"] else f"  {m['error']}"))
     for key, title in (("hooks", "verify hooks"), ("selftest", "kernel self-test")):
         if r[key] is not None:
-            click.echo(f"{title}: {'ok' if r[key]['ok'] else 'FAIL'}\n{r[key]['report']}")
-    click.echo("verify: all ok" if r["ok"] else "verify: FAILED")
+            echo(f"{title}: {'ok' if r[key]['ok'] else 'FAIL'}\n{r[key]['report']}")
+    echo("verify: all ok" if r["ok"] else "verify: FAILED")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -84,7 +84,7 @@ def edit(version: str, where: Path | None = None) -> Path:
     return tree
 
 
-def regen(version: str, where: Path | None = None) -> list[str]:
+def regen(version: str, where: Path | None = None, patches: Path = REPO / "patches") -> list[str]:
     """Write patches/<version>/<name>.diff for every file of the edit tree that differs from pristine and
     rewrite the manifest's [[patch]] list (existing diff names and order kept); returns the targets."""
     src, tree = fetch(version), where or CACHE / "edit" / version
@@ -98,7 +98,7 @@ def regen(version: str, where: Path | None = None) -> list[str]:
             raise UserError(f"{f}: new file; new modules belong in overlay/ as drop-ins, not in a diff")
         if f.read_bytes() != orig.read_bytes():
             changed.append(rel)
-    folder = REPO / "patches" / version
+    folder = patches / version
     folder.mkdir(parents=True, exist_ok=True)
     old = _read_manifest(folder / "manifest.toml")
     names = {e["target"]: e["diff"] for e in old.get("patch", [])}
@@ -160,9 +160,11 @@ def edit_cmd(version: str, where: Path | None) -> None:
 @cli.command("regen")
 @click.argument("version")
 @click.option("--dir", "where", type=click.Path(path_type=Path), help="The edit tree (default: the cache's).")
-def regen_cmd(version: str, where: Path | None) -> None:
+@click.option("--patches", type=click.Path(path_type=Path, file_okay=False), default=REPO / "patches",
+              show_default=True, help="The patches/ folder to write into.")
+def regen_cmd(version: str, where: Path | None, patches: Path) -> None:
     """Write patches/VERSION/*.diff and manifest hashes from the edit tree."""
-    for target in regen(version, where):
+    for target in regen(version, where, patches):
         click.echo(f"patched: {target}")
 
 
