@@ -153,8 +153,10 @@ def rollback(site: Path, force: bool = False, wait: bool = False) -> dict:
                 fsops.write_file(site / rel, data, mode)
             for f in current["patched"]:
                 fsops.remove_pycache(site / f["path"])
+                fsops.remove_file(fsops.temp_path(site / f["path"]))  # left by a process killed mid-write
             for f in current["added"]:
                 fsops.remove_file(site / f["path"])
+                fsops.remove_file(fsops.temp_path(site / f["path"]))
                 fsops.remove_pycache(site / f["path"])
             for d in sorted(current["added_dirs"], key=lambda d: -d.count("/")):
                 path = site / d
@@ -207,13 +209,13 @@ def inspect(site: Path, current: dict) -> list[dict]:
     known = set()
     for f in current["added"]:
         h = fsops.file_sha256(site / f["path"])
-        st = {f["sha256"]: "added", None: "missing"}.get(h, "modified")
+        st = {f["sha256"]: "added", None: "missing" if current["complete"] else "not added yet"}.get(h, "modified")
         files.append({"path": f["path"], "kind": "added", "status": st})
         known.add(f["path"])
     for d in current["added_dirs"]:
         for child in sorted((site / d).glob("*")):
             rel = str(child.relative_to(site))
-            if child.name == "__pycache__" or rel in known or rel in current["added_dirs"]:
+            if child.name == "__pycache__" or rel in known or rel in current["added_dirs"] or _is_temp(child):
                 continue
             files.append({"path": rel, "kind": "unknown", "status": "unexpected"})
     return files
@@ -267,6 +269,10 @@ def _check_writable(dirs: list[Path]) -> None:
         problem = fsops.writable_problem(d)
         if problem:
             raise UserError(f"{problem}; run as the user that owns this venv (nothing was changed)")
+
+
+def _is_temp(path: Path) -> bool:
+    return path.name.startswith(".") and path.name.endswith(".dsa-overlay-tmp")
 
 
 def _first_problem(info: dict) -> str:

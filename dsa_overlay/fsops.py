@@ -29,9 +29,14 @@ def file_sha256(path: Path) -> str | None:
         return None
 
 
+def temp_path(path: Path) -> Path:
+    """Where `write_file` stages `path` (left behind only if the process dies mid-write)."""
+    return path.with_name(f".{path.name}.dsa-overlay-tmp")
+
+
 def write_file(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Atomically make `path` hold `data` with permission bits `mode`."""
-    tmp = path.with_name(f".{path.name}.dsa-overlay-tmp")
+    tmp = temp_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "wb") as f:
