@@ -135,8 +135,8 @@ def rollback(site: Path, force: bool = False, wait: bool = False) -> dict:
             if edited:
                 f = edited[0]
                 raise UserError(
-                    f"{site / f['path']}: {_EDITED[f['status']]} since apply; keep a copy of your change, then "
-                    "run `apply.py rollback --force` to restore the pristine file"
+                    f"{site / f['path']}: {_EDITED[f['status']]} since apply; save your change elsewhere, then run "
+                    "`apply.py rollback --force` (which discards it)"
                 )
         restore = {}
         for f in current["patched"]:
