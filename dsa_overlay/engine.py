@@ -20,26 +20,28 @@ from .site import vllm_version
 
 # ----------------------------------------------------------------------------------------------- apply
 def apply(site: Path, force_version: str | None = None, wait: bool = False, dry_run: bool = False) -> dict:
-    current = state.load(site)
-    if current is not None:
-        return _already_applied(site, current, force_version)
-    p = plan.make(site, force_version)
-    result = _describe(p)
-    if dry_run:
-        return {**result, "action": "dry-run", "changed": False, "diff": p.unified_diff()}
-    _check_writable([(site / c.target).parent for c in p.changes] + [site / manifest.DROPIN_ROOT, state.state_dir(site)])
-    with fsops.Lock(state.state_dir(site), wait) as lock:
-        current = state.load(site)  # another apply may have finished while we waited
+    vllm_version(site)
+    if dry_run:  # read-only: no lock
+        current = state.load(site)
         if current is not None:
             return _already_applied(site, current, force_version)
         p = plan.make(site, force_version)
-        _transact(p, lock)
+        return {**_describe(p), "action": "dry-run", "changed": False, "diff": p.unified_diff()}
+    with fsops.Lock(site / "vllm", wait):  # everything below sees no half-done apply of another process
+        current = state.load(site)
+        if current is not None:
+            return _already_applied(site, current, force_version)
+        p = plan.make(site, force_version)
+        _check_writable([(site / c.target).parent for c in p.changes]
+                        + [site / manifest.DROPIN_ROOT, state.state_dir(site)])
+        _transact(p)
     return {**_describe(p), "action": "apply", "changed": True}
 
 
-def _transact(p: plan.Plan, lock: fsops.Lock) -> None:
+def _transact(p: plan.Plan) -> None:
     site = p.site
     try:
+        state.state_dir(site).mkdir(exist_ok=True)
         for c in p.changes:
             backup = state.backup_path(site, c.target)
             backup.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +63,6 @@ def _transact(p: plan.Plan, lock: fsops.Lock) -> None:
                 f"apply failed ({_reason(exc)}) and undoing it failed too ({failure}); the backups are kept in "
                 f"{state.state_dir(site)}: fix the cause and run `apply.py rollback`"
             ) from None
-        lock.release(remove_state_dir=True)
         if isinstance(exc, UserError):
             raise
         if isinstance(exc, OSError):
@@ -85,6 +86,7 @@ def _undo_apply(p: plan.Plan) -> str | None:
         for d in reversed(p.new_dirs):
             if (site / d).is_dir():
                 os.rmdir(site / d)
+        _remove_state_dir(site)
     except OSError as exc:
         return _reason(exc)
     return None
@@ -97,9 +99,11 @@ def _already_applied(site: Path, current: dict, force_version: str | None) -> di
         raise UserError(
             f"{site}: the overlay is {info['state']} ({_first_problem(info)}); run `apply.py rollback` first"
         )
-    same = (force_version or info["vllm_version"]) == current["patch_set"]
-    if same:
-        backups = {f["path"]: state.backup_path(site, f["path"]).read_bytes() for f in current["patched"]}
+    wanted = force_version or info["vllm_version"]
+    backups = {f["path"]: fsops.read_or_none(state.backup_path(site, f["path"])) for f in current["patched"]}
+    same = (wanted == current["patch_set"] and None not in backups.values()
+            and {p.target for p in manifest.load(wanted).patches} == set(backups))
+    if same:  # recompute what this patch set writes, from the pristine backups, and compare
         again = plan.make(site, force_version, originals=backups).state(complete=True)
         key = lambda st: ([(f["path"], f["after"]) for f in st["patched"]], st["added"], st["overlay_version"])
         same = key(again) == key(current)
@@ -114,77 +118,65 @@ def _already_applied(site: Path, current: dict, force_version: str | None) -> di
 # -------------------------------------------------------------------------------------------- rollback
 def rollback(site: Path, force: bool = False, wait: bool = False) -> dict:
     version = vllm_version(site)
-    seen = state.load(site)
-    if seen is None:
-        return _clean_interrupted(site, wait)
-    _check_writable([(site / f["path"]).parent for f in seen["patched"]]
+    with fsops.Lock(site / "vllm", wait):
+        return _rollback_locked(site, version, force)
+
+
+def _rollback_locked(site: Path, version: str, force: bool) -> dict:
+    current = state.load(site)
+    if current is None:  # nothing applied; maybe the state folder of an apply killed before any change
+        if state.state_dir(site).exists():
+            _check_writable([state.state_dir(site)])
+        return _nothing_applied(site, cleaned=_remove_state_dir(site))
+    if current["vllm_version"] != version:
+        raise UserError(
+            f"{site}: the overlay was applied to vLLM {current['vllm_version']} but vLLM {version} is installed "
+            f"now (reinstalled over it?); delete {site / manifest.DROPIN_ROOT} and {state.state_dir(site)} by hand"
+        )
+    _check_writable([(site / f["path"]).parent for f in current["patched"]]
                     + [site / manifest.DROPIN_ROOT, state.state_dir(site)])
-    with fsops.Lock(state.state_dir(site), wait) as lock:
-        current = state.load(site)
-        if current is None:
-            lock.release(remove_state_dir=True)
-            return _nothing_applied(site, cleaned=True)
-        if current["vllm_version"] != version:
-            raise UserError(
-                f"{site}: the overlay was applied to vLLM {current['vllm_version']} but vLLM {version} is installed "
-                f"now (reinstalled over it?); delete {site / manifest.DROPIN_ROOT} and {state.state_dir(site)} by hand"
-            )
-        files = inspect(site, current)
-        if not force:
-            edited = [f for f in files if f["status"] in ("modified", "missing", "unexpected")]
-            if edited:
-                f = edited[0]
+    edited = [f for f in inspect(site, current) if f["status"] in _EDITED]
+    if edited and not force:
+        f = edited[0]
+        raise UserError(
+            f"{site / f['path']}: {_EDITED[f['status']]} since apply; save your change elsewhere, then run "
+            "`apply.py rollback --force` (which discards it)"
+        )
+    restore = {}
+    for f in current["patched"]:
+        if fsops.file_sha256(site / f["path"]) != f["before"]:
+            backup = state.backup_path(site, f["path"])
+            data = fsops.read_or_none(backup)
+            if data is None or fsops.sha256(data) != f["before"]:
                 raise UserError(
-                    f"{site / f['path']}: {_EDITED[f['status']]} since apply; save your change elsewhere, then run "
-                    "`apply.py rollback --force` (which discards it)"
+                    f"{backup}: backup missing or not matching the recorded sha256; reinstall with "
+                    f"`pip install --force-reinstall --no-deps vllm=={version}` and delete {state.state_dir(site)}"
                 )
-        restore = {}
+            restore[f["path"]] = (data, f["mode"])
+    try:
+        for rel, (data, mode) in restore.items():
+            fsops.write_file(site / rel, data, mode)
         for f in current["patched"]:
-            if fsops.file_sha256(site / f["path"]) != f["before"]:
-                data = state.backup_path(site, f["path"]).read_bytes()
-                if fsops.sha256(data) != f["before"]:
-                    raise UserError(
-                        f"{state.backup_path(site, f['path'])}: backup does not match the recorded sha256; "
-                        f"reinstall vllm=={version} and delete {state.state_dir(site)}"
-                    )
-                restore[f["path"]] = (data, f.get("mode", 0o644))
-        try:
-            for rel, (data, mode) in restore.items():
-                fsops.write_file(site / rel, data, mode)
-            for f in current["patched"]:
-                fsops.remove_pycache(site / f["path"])
-                fsops.remove_file(fsops.temp_path(site / f["path"]))  # left by a process killed mid-write
-            for f in current["added"]:
-                fsops.remove_file(site / f["path"])
-                fsops.remove_file(fsops.temp_path(site / f["path"]))
-                fsops.remove_pycache(site / f["path"])
-            for d in sorted(current["added_dirs"], key=lambda d: -d.count("/")):
-                path = site / d
-                if path.is_dir():
-                    shutil.rmtree(path / "__pycache__", ignore_errors=True)
-                    shutil.rmtree(path) if force else os.rmdir(path)
-            lock.release(remove_state_dir=True)
-        except OSError as exc:
-            raise UserError(
-                f"rollback stopped ({_reason(exc)}); the overlay state is kept: fix the cause and run "
-                "`apply.py rollback` again to finish"
-            ) from None
+            fsops.remove_pycache(site / f["path"])
+            fsops.remove_file(fsops.temp_path(site / f["path"]))  # left by a process killed mid-write
+        for f in current["added"]:
+            fsops.remove_file(site / f["path"])
+            fsops.remove_file(fsops.temp_path(site / f["path"]))
+            fsops.remove_pycache(site / f["path"])
+        for d in sorted(current["added_dirs"], key=lambda d: -d.count("/")):
+            path = site / d
+            if path.is_dir():
+                shutil.rmtree(path / "__pycache__", ignore_errors=True)
+                shutil.rmtree(path) if force else os.rmdir(path)
+        _remove_state_dir(site)
+    except OSError as exc:
+        raise UserError(
+            f"rollback stopped ({_reason(exc)}); the overlay state is kept: fix the cause and run "
+            "`apply.py rollback` again to finish"
+        ) from None
     return {"action": "rollback", "site": str(site), "changed": True, "vllm_version": version,
             "restored": sorted(restore), "removed": [f["path"] for f in current["added"]],
             "message": "rolled back; vLLM is pristine again"}
-
-
-def _clean_interrupted(site: Path, wait: bool) -> dict:
-    """No state.json: nothing to roll back, except the state folder of an apply killed before it changed
-    any file (backups only), which is removed."""
-    if not state.state_dir(site).is_dir():
-        return _nothing_applied(site, cleaned=False)
-    _check_writable([state.state_dir(site)])
-    with fsops.Lock(state.state_dir(site), wait) as lock:
-        if state.load(site) is not None:
-            raise UserError(f"{site}: an apply finished while rollback waited; run rollback again")
-        lock.release(remove_state_dir=True)
-    return _nothing_applied(site, cleaned=True)
 
 
 def _nothing_applied(site: Path, cleaned: bool) -> dict:
@@ -269,6 +261,14 @@ def _check_writable(dirs: list[Path]) -> None:
         problem = fsops.writable_problem(d)
         if problem:
             raise UserError(f"{problem}; run as the user that owns this venv (nothing was changed)")
+
+
+def _remove_state_dir(site: Path) -> bool:
+    """Delete vllm/.dsa_overlay/ (call with the lock held); whether there was one."""
+    if not state.state_dir(site).exists():
+        return False
+    shutil.rmtree(state.state_dir(site))
+    return True
 
 
 def _is_temp(path: Path) -> bool:

@@ -10,7 +10,6 @@ import errno
 import fcntl
 import hashlib
 import os
-import shutil
 from contextlib import suppress
 from pathlib import Path
 
@@ -21,12 +20,17 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def file_sha256(path: Path) -> str | None:
-    """sha256 of a regular file's bytes, or None when there is no such file."""
+def read_or_none(path: Path) -> bytes | None:
+    """A regular file's bytes, or None when there is no such file."""
     try:
-        return sha256(path.read_bytes())
+        return path.read_bytes()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
+
+
+def file_sha256(path: Path) -> str | None:
+    data = read_or_none(path)
+    return None if data is None else sha256(data)
 
 
 def temp_path(path: Path) -> Path:
@@ -78,64 +82,33 @@ def writable_problem(path: Path) -> str | None:
 
 
 class Lock:
-    """An exclusive `flock` on `<state_dir>/lock`, held for a whole apply or rollback.
+    """An exclusive `flock` on the `vllm/` package directory itself, held for a whole apply or rollback.
 
-    The state directory and lock file are created when absent; `release(remove_state_dir=True)` deletes
-    the whole state directory while still holding the lock, so a rollback leaves no trace. A process that
-    waited on a lock file which the holder then deleted notices (the inode changed) and tries again."""
+    Locking the directory (which is never created or removed by the engine) instead of a lock file means
+    nothing is left behind after a rollback, and there is no window in which a waiting process could lock
+    a lock file that the holder is deleting."""
 
-    def __init__(self, state_dir: Path, wait: bool = False):
-        self.state_dir = state_dir
-        self.path = state_dir / "lock"
+    def __init__(self, package_dir: Path, wait: bool = False):
+        self.path = package_dir
         self.wait = wait
-        self.created_dir = False
         self.fd: int | None = None
 
     def __enter__(self) -> "Lock":
-        while True:
-            try:
-                os.mkdir(self.state_dir, 0o755)
-                self.created_dir = True
-            except FileExistsError:
-                pass
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
-            except OSError as exc:
-                os.close(fd)
-                self._cleanup_if_created()
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise UserError(
-                        f"{self.path}: another dsa-overlay apply/rollback is running on this vLLM; "
-                        "wait for it to finish (or pass --wait)"
-                    ) from None
-                raise
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                self.fd = fd
-                return self
-            os.close(fd)  # the previous holder removed the state directory: start over
-
-    def _cleanup_if_created(self) -> None:
-        if self.created_dir:
-            with suppress(OSError):
-                os.unlink(self.path)
-            with suppress(OSError):
-                os.rmdir(self.state_dir)
-            self.created_dir = False
-
-    def release(self, remove_state_dir: bool) -> None:
-        if self.fd is None:
-            return
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            if remove_state_dir:
-                shutil.rmtree(self.state_dir)
-        finally:
-            os.close(self.fd)
-            self.fd = None
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise UserError(
+                    f"{self.path}: another dsa-overlay apply/rollback is running on this vLLM; "
+                    "wait for it to finish (or pass --wait)"
+                ) from None
+            raise
+        self.fd = fd
+        return self
 
     def __exit__(self, *exc) -> None:
-        self.release(remove_state_dir=False)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
