@@ -36,7 +36,9 @@ def main() -> None:
         result["hooks"] = {"ok": ok, "report": value if not ok or isinstance(value, str) else str(value)}
     if (site / "vllm" / "_dsa_overlay" / "kernels" / "selftest.py").is_file():
         ok, has_gpu = _call(lambda: importlib.import_module("torch").cuda.is_available())
-        if ok and has_gpu:
+        if not ok:
+            result["selftest"] = {"ok": False, "report": f"torch does not import: {has_gpu}"}
+        elif has_gpu:
             ok, value = _call(lambda: importlib.import_module("vllm._dsa_overlay.kernels.selftest").main())
             ok = ok and value in (None, 0, True)
             result["selftest"] = {"ok": ok, "report": "passed" if ok else str(value)}
