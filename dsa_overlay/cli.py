@@ -6,8 +6,8 @@
     apply.py bootstrap [--venv DIR] [--vllm VERSION]
 
 A user mistake prints one line `error: ...` (plus `{"error": ...}` on stdout with --json) and exits 2.
-More subcommands: define a click command (use `site_option`/`json_option` and `run`) and register it
-with `cli.add_command(...)` at the bottom of this file."""
+More subcommands: define a click command (use `site_option`/`json_option`, `inherit` and `run`) and
+register it with `cli.add_command(...)` at the bottom of this file."""
 
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ def run(as_json: bool, action: Callable[[], dict], render: Callable[[dict], None
         render(result)
 
 
+def inherit(ctx: click.Context, **given) -> list:
+    """A subcommand's options, each falling back to the same option given before the subcommand."""
+    parent = ctx.obj or {}
+    return [value or parent.get(name) for name, value in given.items()]
+
+
 def resolve_site(site: Path | None) -> Path:
     return (site or default_site_packages()).absolute()
 
@@ -70,6 +76,9 @@ def resolve_site(site: Path | None) -> Path:
 def cli(ctx, site, dry_run, as_json, force_version, wait) -> None:
     """Apply the dsa-overlay patch set to an installed vLLM (the default action), or roll it back."""
     if ctx.invoked_subcommand is not None:
+        if dry_run or force_version:
+            raise click.UsageError("--dry-run and --force-version belong to apply; use them without a subcommand")
+        ctx.obj = {"site": site, "as_json": as_json, "wait": wait}  # `apply.py --vllm-site-packages P status`
         return
     run(as_json, lambda: engine.apply(resolve_site(site), force_version, wait, dry_run), _render_apply)
 
@@ -79,16 +88,20 @@ def cli(ctx, site, dry_run, as_json, force_version, wait) -> None:
 @click.option("--force", is_flag=True, help="Restore pristine files even where they were edited after apply.")
 @json_option
 @wait_option
-def rollback(site, force, as_json, wait) -> None:
+@click.pass_context
+def rollback(ctx, site, force, as_json, wait) -> None:
     """Restore every patched file byte for byte and remove every added file."""
+    site, as_json, wait = inherit(ctx, site=site, as_json=as_json, wait=wait)
     run(as_json, lambda: engine.rollback(resolve_site(site), force, wait), _render_rollback)
 
 
 @cli.command()
 @site_option
 @json_option
-def status(site, as_json) -> None:
+@click.pass_context
+def status(ctx, site, as_json) -> None:
     """Show the vLLM version, whether it is supported, and the overlay state per file."""
+    site, as_json = inherit(ctx, site=site, as_json=as_json)
     run(as_json, lambda: engine.status(resolve_site(site)), _render_status)
 
 

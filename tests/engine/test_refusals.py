@@ -223,7 +223,7 @@ def test_force_version_on_a_relabelled_release_is_recorded(tree):
         proc = cli("--vllm-site-packages", site, "--force-version", tree.version)
         assert proc.returncode == 0, proc.stderr
         assert f"patched  {rel}  (hunks shifted by [5])" in proc.stdout
-        assert f"forced onto vLLM 9.0.0 by --force-version" in proc.stdout
+        assert "forced onto vLLM 9.0.0 by --force-version" in proc.stdout
         st = json.loads(cli("status", "--vllm-site-packages", site, "--json").stdout)
         assert (st["state"], st["forced_version"], st["vllm_version"]) == ("applied", tree.version, "9.0.0")
         assert cli("--vllm-site-packages", site, "--force-version", tree.version).returncode == 0  # no-op

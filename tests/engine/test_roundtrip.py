@@ -113,3 +113,15 @@ def test_json_output_of_every_command(tree):
     dry = json.loads(cli("--vllm-site-packages", site, "--json", "--dry-run").stdout)
     assert dry["action"] == "dry-run" and dry["diff"].startswith("--- a/vllm/")
     tree.assert_pristine()
+
+
+def test_options_before_the_subcommand_are_honoured(tree):
+    """`apply.py --vllm-site-packages P rollback` must roll back P, not the vLLM this Python finds."""
+    site = tree.path
+    assert cli("--vllm-site-packages", site).returncode == 0
+    assert json.loads(cli("--vllm-site-packages", site, "--json", "status").stdout)["state"] == "applied"
+    proc = cli("--vllm-site-packages", site, "rollback")
+    assert proc.returncode == 0, proc.stderr
+    tree.assert_pristine()
+    wrong = cli("--dry-run", "status", "--vllm-site-packages", site)
+    assert wrong.returncode == 2 and "--dry-run and --force-version belong to apply" in wrong.stderr
