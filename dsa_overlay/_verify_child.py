@@ -1,0 +1,51 @@
+"""Run by verify in the target's interpreter: `python -I _verify_child.py SITE OUT.json MODULE...`.
+
+Imports each module with SITE first on sys.path and writes the outcome as JSON to OUT.json. Must not
+import dsa_overlay (the target interpreter need not have it)."""
+
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _call(fn):
+    try:
+        return True, fn()
+    except BaseException as exc:  # noqa: BLE001 - everything is a verify failure, reported
+        return False, _error(exc)
+
+
+def main() -> None:
+    site, out, modules = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    sys.path.insert(0, str(site))
+    result = {"python": sys.version.split()[0], "modules": [], "hooks": None, "selftest": None}
+    for name in modules:
+        t0 = time.perf_counter()
+        ok, value = _call(lambda: importlib.import_module(name))
+        result["modules"].append({"module": name, "ok": ok, "error": None if ok else value,
+                                  "seconds": round(time.perf_counter() - t0, 3)})
+    if (site / "vllm" / "_dsa_overlay" / "verify_hooks.py").is_file():
+        ok, value = _call(lambda: importlib.import_module("vllm._dsa_overlay.verify_hooks").report())
+        result["hooks"] = {"ok": ok, "report": value if not ok or isinstance(value, str) else str(value)}
+    if (site / "vllm" / "_dsa_overlay" / "kernels" / "selftest.py").is_file():
+        ok, has_gpu = _call(lambda: importlib.import_module("torch").cuda.is_available())
+        if not ok:
+            result["selftest"] = {"ok": False, "report": f"torch does not import: {has_gpu}"}
+        elif has_gpu:
+            ok, value = _call(lambda: importlib.import_module("vllm._dsa_overlay.kernels.selftest").main())
+            ok = ok and value in (None, 0, True)
+            result["selftest"] = {"ok": ok, "report": "passed" if ok else str(value)}
+        else:
+            result["selftest"] = {"ok": True, "report": "skipped: no CUDA device"}
+    out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

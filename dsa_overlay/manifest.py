@@ -1,0 +1,131 @@
+"""Patch-set manifests: `patches/<version>/manifest.toml` plus the shared `patches/common.toml`.
+
+    vllm = "0.23.0"
+    [[patch]]                 # applied in this order, one diff per target file
+    diff = "config.diff"      # beside the manifest; paths a/vllm/... b/vllm/...
+    target = "vllm/transformers_utils/config.py"
+    sha256 = "<sha256 of the pristine target>"
+    [[dropin]]                # src relative to this folder (common.toml: to the repository root);
+    src = "x.py"              # a directory drops in its *.py files
+    dest = "vllm/_dsa_overlay/x.py"
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from . import resources
+from .errors import UserError
+
+DROPIN_ROOT = "vllm/_dsa_overlay"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Patch:
+    diff: Path      # the .diff file
+    target: str     # "vllm/..." relative to site-packages
+    sha256: str     # of the pristine target
+
+
+@dataclass(frozen=True)
+class Dropin:
+    src: Path       # a file to copy
+    dest: str       # "vllm/_dsa_overlay/..." relative to site-packages
+
+
+@dataclass(frozen=True)
+class PatchSet:
+    version: str
+    manifest: Path
+    patches: tuple[Patch, ...]
+    dropins: tuple[Dropin, ...]
+
+
+def supported_versions() -> list[str]:
+    root = resources.patches_dir()
+    found = [p.parent.name for p in root.glob("*/manifest.toml")]
+    return sorted(found, key=lambda v: tuple(int(x) if x.isdigit() else x for x in v.split(".")))
+
+
+def load(version: str) -> PatchSet:
+    """The patch set for `version` (with common drop-ins appended); UserError if absent or malformed."""
+    manifest = resources.patches_dir() / version / "manifest.toml"
+    if not manifest.is_file():
+        raise UserError(f"no patch set for vLLM {version} (supported: {', '.join(supported_versions()) or 'none'})")
+    data = _read_toml(manifest)
+    where = resources.display(manifest)
+    if data.get("vllm") != version:
+        raise UserError(f"{where}: `vllm = \"{version}\"` expected (got {data.get('vllm')!r}); fix the manifest")
+    patches = tuple(_patch(manifest, i, entry) for i, entry in enumerate(_tables(data, "patch", where), 1))
+    targets = [p.target for p in patches]
+    dup = {t for t in targets if targets.count(t) > 1}
+    if dup:
+        raise UserError(f"{where}: several [[patch]] entries for {sorted(dup)[0]}; keep one diff per target file")
+    dropins = [d for e in _tables(data, "dropin", where) for d in _dropins(manifest.parent, e, where)]
+    common = resources.patches_dir() / "common.toml"
+    if common.is_file():
+        cdata = _read_toml(common)
+        cwhere = resources.display(common)
+        dropins += [d for e in _tables(cdata, "dropin", cwhere) for d in _dropins(None, e, cwhere)]
+    dests = [d.dest for d in dropins]
+    dup = {d for d in dests if dests.count(d) > 1}
+    if dup:
+        raise UserError(f"{where}: {sorted(dup)[0]} is dropped in twice (manifest and common.toml); keep one entry")
+    return PatchSet(version, manifest, patches, tuple(dropins))
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"{resources.display(path)}: unreadable manifest ({exc}); fix or restore it from git") from None
+
+
+def _tables(data: dict, key: str, where: str) -> list[dict]:
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
+        raise UserError(f"{where}: `{key}` must be an array of tables ([[{key}]]); fix the manifest")
+    return value
+
+
+def _rel(value: object, what: str, where: str, under: str = "vllm") -> str:
+    """A safe site-packages-relative path under `under` (no absolute paths, no '..')."""
+    p = PurePosixPath(value) if isinstance(value, str) else None
+    if p is None or p.is_absolute() or ".." in p.parts or p.parts[: len(PurePosixPath(under).parts)] != PurePosixPath(under).parts:
+        raise UserError(f"{where}: {what} {value!r} must be a relative path under {under}/; fix the manifest")
+    return str(p)
+
+
+def _patch(manifest: Path, index: int, entry: dict) -> Patch:
+    where = f"{resources.display(manifest)} [[patch]] #{index}"
+    diff, target, sha = entry.get("diff"), entry.get("target"), entry.get("sha256")
+    if not isinstance(diff, str) or "/" in diff or not diff.endswith(".diff"):
+        raise UserError(f"{where}: `diff` must name a .diff file beside the manifest; fix the manifest")
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        raise UserError(f"{where}: `sha256` must be 64 lowercase hex digits; regenerate with tools/patchset.py regen")
+    path = manifest.parent / diff
+    if not path.is_file():
+        raise UserError(f"{where}: {resources.display(path)} is missing; restore it from git")
+    return Patch(path, _rel(target, "target", where), sha)
+
+
+def _dropins(folder: Path | None, entry: dict, where: str) -> list[Dropin]:
+    src, dest = entry.get("src"), entry.get("dest")
+    dest = _rel(dest, "dest", where, DROPIN_ROOT)
+    if not isinstance(src, str) or PurePosixPath(src).is_absolute() or ".." in PurePosixPath(src).parts:
+        raise UserError(f"{where}: dropin src {src!r} must be a relative path; fix the manifest")
+    path = resources.source(src) if folder is None else folder / src
+    if path.is_dir():
+        return [Dropin(f, f"{dest}/{f.name}") for f in sorted(path.glob("*.py")) if f.is_file()]
+    if path.is_file():
+        return [Dropin(path, dest)]
+    raise UserError(f"{where}: dropin src {src} does not exist; fix the manifest")

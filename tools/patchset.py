@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Maintainer workflow for patch sets: fetch a pristine vLLM release, edit it, regenerate patches/X/.
+
+    python tools/patchset.py fetch 0.23.0    # pip download --no-deps vllm==0.23.0, unpack (cached)
+    python tools/patchset.py edit 0.23.0     # git tree of its *.py with the current patch set applied
+    ... edit files under ~/.cache/dsa-overlay/edit/0.23.0/vllm/ (hooks only; logic goes to overlay/) ...
+    python tools/patchset.py regen 0.23.0    # write patches/0.23.0/*.diff + manifest hashes from the edits
+
+Caches: ~/.cache/dsa-overlay/wheels/ (wheels), pristine/<X>/ (unpacked, site-packages layout),
+edit/<X>/ (edit trees). `fetch()` is also what the tests use to get pristine trees."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import click
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dsa_overlay import fsops, hunks, manifest, plan  # noqa: E402
+from dsa_overlay.errors import UserError  # noqa: E402
+
+CACHE = Path(os.environ.get("DSA_OVERLAY_CACHE", Path.home() / ".cache" / "dsa-overlay"))
+
+
+def pristine_dir(version: str) -> Path:
+    return CACHE / "pristine" / version
+
+
+def fetch(version: str, quiet: bool = False) -> Path:
+    """The unpacked pristine release `version` (site-packages layout), downloading the wheel if needed."""
+    dest = pristine_dir(version)
+    if (dest / f"vllm-{version}.dist-info" / "METADATA").is_file():
+        return dest
+    wheels = CACHE / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               f"vllm=={version}", "-d", str(wheels)]
+        subprocess.run(cmd + (["-q"] if quiet else []), check=True)
+        found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+    if not found:
+        raise UserError(f"pip download gave no vllm-{version} wheel in {wheels}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=dest.parent))
+    try:
+        with zipfile.ZipFile(found[-1]) as zf:
+            zf.extractall(tmp)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def edit(version: str, where: Path | None = None) -> Path:
+    """A git tree of the release's *.py files: commit 'pristine', then the current patch set applied."""
+    src = fetch(version)
+    tree = where or CACHE / "edit" / version
+    if tree.exists():
+        raise UserError(f"{tree} exists; finish with `regen {version}` or delete it first")
+    for f in src.glob("vllm/**/*.py"):
+        out = tree / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, out)
+    shutil.copytree(src / f"vllm-{version}.dist-info", tree / f"vllm-{version}.dist-info")
+    git = ["git", "-C", str(tree), "-c", "user.name=dsa-overlay", "-c", "user.email=dsa-overlay@localhost"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", f"pristine vllm {version}"], check=True)
+    subprocess.run(git + ["tag", "pristine"], check=True)
+    p = plan.make(tree) if (REPO / "patches" / version / "manifest.toml").is_file() else None
+    for c in p.changes if p else ():
+        (tree / c.target).write_bytes(c.after)
+    if p and p.changes:
+        subprocess.run(git + ["commit", "-q", "-am", f"dsa-overlay patch set {version}"], check=True)
+    return tree
+
+
+def regen(version: str, where: Path | None = None, patches: Path = REPO / "patches") -> list[str]:
+    """Write patches/<version>/<name>.diff for every file of the edit tree that differs from pristine and
+    rewrite the manifest's [[patch]] list (existing diff names and order kept); returns the targets."""
+    src, tree = fetch(version), where or CACHE / "edit" / version
+    if not tree.is_dir():
+        raise UserError(f"{tree}: no edit tree; run `edit {version}` first")
+    changed = []
+    for f in sorted(tree.glob("vllm/**/*.py")):
+        rel = f.relative_to(tree).as_posix()
+        orig = src / rel
+        if not orig.is_file():
+            raise UserError(f"{f}: new file; new modules belong in overlay/ as drop-ins, not in a diff")
+        if f.read_bytes() != orig.read_bytes():
+            changed.append(rel)
+    folder = patches / version
+    folder.mkdir(parents=True, exist_ok=True)
+    old = _read_manifest(folder / "manifest.toml")
+    names = {e["target"]: e["diff"] for e in old.get("patch", [])}
+    order = [t for t in names if t in changed] + [t for t in changed if t not in names]
+    for target in set(names) - set(changed):
+        (folder / names[target]).unlink(missing_ok=True)
+    entries = []
+    for target in order:
+        name = names.get(target) or _diff_name(target, {e["diff"] for e in entries})
+        pristine = (src / target).read_bytes()
+        (folder / name).write_text(hunks.make_diff(pristine, (tree / target).read_bytes(), target), encoding="utf-8")
+        entries.append({"diff": name, "target": target, "sha256": fsops.sha256(pristine)})
+    _write_manifest(folder / "manifest.toml", version, entries, old.get("dropin", []))
+    return order
+
+
+def _diff_name(target: str, taken: set[str]) -> str:
+    name = Path(target).stem + ".diff"
+    return name if name not in taken else target.removeprefix("vllm/").replace("/", "_").removesuffix(".py") + ".diff"
+
+
+def _read_manifest(path: Path) -> dict:
+    return manifest._read_toml(path) if path.is_file() else {}
+
+
+def _write_manifest(path: Path, version: str, patches: list[dict], dropins: list[dict]) -> None:
+    q = lambda s: '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    out = [f"# Patch set for vLLM {version}. [[patch]] entries are written by tools/patchset.py regen.",
+           f"vllm = {q(version)}", ""]
+    for e in patches:
+        out += ["[[patch]]", f"diff = {q(e['diff'])}", f"target = {q(e['target'])}", f"sha256 = {q(e['sha256'])}", ""]
+    for e in dropins:
+        out += ["[[dropin]]", f"src = {q(e['src'])}", f"dest = {q(e['dest'])}", ""]
+    path.write_text("\n".join(out), encoding="utf-8")
+
+
+@click.group()
+def cli() -> None:
+    """Maintain patches/<version>/ against pristine vLLM releases."""
+
+
+@cli.command("fetch")
+@click.argument("version")
+def fetch_cmd(version: str) -> None:
+    """Download (cached) and unpack pristine vLLM VERSION."""
+    click.echo(fetch(version))
+
+
+@cli.command("edit")
+@click.argument("version")
+@click.option("--dir", "where", type=click.Path(path_type=Path), help="Where to lay out the tree.")
+def edit_cmd(version: str, where: Path | None) -> None:
+    """Lay out VERSION's *.py as a git tree with the current patch set applied."""
+    tree = edit(version, where)
+    click.echo(f"{tree}\nedit files there (`git diff pristine` shows the set), then: tools/patchset.py regen {version}"
+               + (f" --dir {tree}" if where else ""))
+
+
+@cli.command("regen")
+@click.argument("version")
+@click.option("--dir", "where", type=click.Path(path_type=Path), help="The edit tree (default: the cache's).")
+@click.option("--patches", type=click.Path(path_type=Path, file_okay=False), default=REPO / "patches",
+              show_default=True, help="The patches/ folder to write into.")
+def regen_cmd(version: str, where: Path | None, patches: Path) -> None:
+    """Write patches/VERSION/*.diff and manifest hashes from the edit tree."""
+    for target in regen(version, where, patches):
+        click.echo(f"patched: {target}")
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except UserError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()
