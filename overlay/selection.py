@@ -141,35 +141,55 @@ def _current_index_topk() -> int | None:
     return int(topk) if isinstance(topk, int) else None
 
 
-def upstream_validation(platform_cls, device_capability, attn_selector_config, num_heads=None):
-    """Ask each upstream MLA candidate of this vLLM to validate: {name: [reasons]} in priority order."""
-    kwargs = {"device_capability": device_capability, "attn_selector_config": attn_selector_config}
-    if num_heads is not None:
+def upstream_validation(device_capability, attn_selector_config, num_heads=None):
+    """Ask each upstream candidate of this vLLM's CUDA platform to validate the configuration.
+
+    Returns {backend name: [reasons it refuses]} in upstream priority order (empty list: accepts),
+    plus the limits from `upstream_extra_reasons`. Works with the priority-function signatures of
+    0.16.0 (use_mla, capability) and 0.23.0 (+ num_heads, kv_cache_dtype). A candidate that fails
+    to import (ImportError, or e.g. a CUDA call at import on a machine without a GPU) is reported
+    as refusing, with the exception's name.
+    """
+    import inspect
+
+    from vllm.platforms import cuda as cuda_platform
+
+    priorities = cuda_platform._get_backend_priorities
+    params = inspect.signature(priorities).parameters
+    kwargs = {}
+    if "num_heads" in params:
         kwargs["num_heads"] = num_heads
-    try:
-        valid, invalid = platform_cls.get_valid_backends(**kwargs)
-    except TypeError:  # a release whose get_valid_backends takes no num_heads
-        kwargs.pop("num_heads", None)
-        valid, invalid = platform_cls.get_valid_backends(**kwargs)
-    ordered: list[tuple[int, str, list[str]]] = []
-    for backend, priority in valid:
-        ordered.append((priority, backend.name, []))
-    for backend, (priority, reasons) in invalid.items():
-        ordered.append((priority, backend.name, list(reasons)))
-    ordered.sort()
+    if "kv_cache_dtype" in params:
+        kwargs["kv_cache_dtype"] = attn_selector_config.kv_cache_dtype
+    candidates = priorities(attn_selector_config.use_mla, device_capability, **kwargs)
     topk = _current_index_topk()
-    return {name: reasons + upstream_extra_reasons(name, topk) for _, name, reasons in ordered}
+    result: dict[str, list[str]] = {}
+    for backend in candidates:
+        try:
+            reasons = list(
+                backend.get_class().validate_configuration(
+                    device_capability=device_capability, **attn_selector_config._asdict()
+                )
+            )
+        except ImportError:
+            reasons = ["ImportError"]
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot even load cannot run
+            reasons = [f"{type(e).__name__} at import"]
+        result[backend.name] = reasons + upstream_extra_reasons(backend.name, topk)
+    return result
 
 
 def vllm_select(platform_cls, selected_backend, attn_selector_config, num_heads, device_capability):
-    """Hook body: the class path of TRITON_MLA_SPARSE when the policy picks it, else None."""
+    """Hook body: the class path of TRITON_MLA_SPARSE when the policy picks it, else None.
+
+    platform_cls is the calling CUDA platform class (kept for the hook's stable signature)."""
     if not getattr(attn_selector_config, "use_sparse", False) or selected_backend is not None:
         return None
     from vllm.logger import init_logger
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     capability = (device_capability.major, device_capability.minor)
-    upstream = upstream_validation(platform_cls, device_capability, attn_selector_config, num_heads)
+    upstream = upstream_validation(device_capability, attn_selector_config, num_heads)
     decision = choose_sparse_backend(
         capability,
         use_sparse=True,
