@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,29 @@ def venv_site_packages(venv: Path) -> Path | None:
     return hits[0] if hits and (hits[0] / "vllm").is_dir() else None
 
 
+def apply_unified_diff(text: str, diff: str, name: str = "diff") -> str:
+    """Apply a one-file unified diff whose context must match exactly (no fuzz); a hunk may
+    have moved by a few lines. Raises ValueError naming the hunk otherwise."""
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    pos = 0
+    hunks = re.split(r"^(?=@@ )", diff, flags=re.M)[1:]
+    for hunk in hunks:
+        header, *body = hunk.splitlines(keepends=True)
+        start = int(re.match(r"@@ -(\d+)", header).group(1)) - 1
+        old = [l[1:] for l in body if l[:1] in (" ", "-")]
+        new = [l[1:] for l in body if l[:1] in (" ", "+")]
+        for offset in sorted(range(-50, 51), key=abs):
+            at = start + offset
+            if at >= pos and lines[at : at + len(old)] == old:
+                break
+        else:
+            raise ValueError(f"{name}: hunk {header.strip()} does not match")
+        out += lines[pos:at] + new
+        pos = at + len(old)
+    return "".join(out + lines[pos:])
+
+
 def stage(site_packages: Path, version: str, dest: Path) -> Path:
     """Return a directory to put first on PYTHONPATH."""
     manifest = tomllib.loads((REPO / "patches" / version / "manifest.toml").read_text())
@@ -39,11 +63,7 @@ def stage(site_packages: Path, version: str, dest: Path) -> Path:
         target.unlink()
         shutil.copyfile(real, target)
         diff = REPO / "patches" / version / entry["diff"]
-        subprocess.run(
-            ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-s", "-i",
-             str(diff)],
-            cwd=dest, check=True,
-        )
+        target.write_text(apply_unified_diff(target.read_text(), diff.read_text(), diff.name))
     pkg = dest / "vllm" / "_dsa_overlay"
     (pkg / "kernels").mkdir(parents=True)
     for src in (REPO / "overlay").glob("*.py"):
