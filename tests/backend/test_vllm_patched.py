@@ -4,6 +4,7 @@
 Skipped, with the reason shown, when the vLLM venv or the stub is not on this machine."""
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from tests.backend import vllm_stage
 
-VENVS = {"0.23.0": Path("/work/venvs/vllm-0.23.0"), "0.16.0": Path("/work/venvs/vllm-0.16.0")}
+VENVS = {"0.23.0": Path(os.environ.get("DSA_VLLM023_VENV", "/work/venvs/vllm-0.23.0")), "0.16.0": Path(os.environ.get("DSA_VLLM016_VENV", "/work/venvs/vllm-0.16.0"))}
 
 
 def _staged(version, tmp_path_factory):
