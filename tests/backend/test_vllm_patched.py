@@ -12,7 +12,10 @@ import pytest
 
 from tests.backend import vllm_stage
 
-VENVS = {"0.23.0": Path(os.environ.get("DSA_VLLM023_VENV", "/work/venvs/vllm-0.23.0")), "0.16.0": Path(os.environ.get("DSA_VLLM016_VENV", "/work/venvs/vllm-0.16.0"))}
+VENVS = {
+    "0.23.0": Path(os.environ.get("DSA_VLLM023_VENV", "/work/venvs/vllm-0.23.0")),
+    "0.16.0": Path(os.environ.get("DSA_VLLM016_VENV", "/work/venvs/vllm-0.16.0")),
+}
 
 
 def _staged(version, tmp_path_factory):
