@@ -10,8 +10,8 @@ impl); everything here is what they call, unit-tested from a checkout:
   negative or falls outside the request's block table becomes -1, which the kernel skips.
   Works for any top-k width (upstream's Triton converter needs a multiple of 128), allocates
   only [T, topk] and never synchronises with the host, so it can be captured in a CUDA graph.
-* `kv_slots`: the per-layer paged cache seen as slots, [num_slots, 576] bf16 or [num_slots, 656]
-  uint8 (fp8_ds_mla), without copying.
+* `kv_slots`: checks the per-layer paged cache ([num_blocks, block_size, 576] bf16 or 656 bytes
+  fp8_ds_mla) and hands it to the kernel without copying (slot s = block s // bs, offset s % bs).
 * `sparse_mla_forward`: conversion + one kernel call for the whole batch (prefill, chunked prefill
   and decode tokens alike: each query token carries its own top-k of cached slots).
 """
@@ -73,20 +73,24 @@ def convert_req_index_to_global(
 
 
 def kv_slots(kv_cache: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """[num_blocks, block_size, width] cache (one layer) -> [num_slots, width] view, no copy."""
-    if kv_format == "fp8_ds_mla":
-        if kv_cache.shape[-1] != FP8_DS_MLA_BYTES:
-            raise ValueError(
-                f"fp8_ds_mla kv cache must have {FP8_DS_MLA_BYTES} bytes per token, "
-                f"got shape {tuple(kv_cache.shape)}"
-            )
-        return kv_cache.view(torch.uint8).view(-1, FP8_DS_MLA_BYTES)
-    if kv_cache.shape[-1] != HEAD_SIZE or kv_cache.dtype != torch.bfloat16:
+    """Check one layer's paged cache and give it to the kernel as is (never a copy).
+
+    [num_blocks, block_size, width]: width 576 bf16, or 656 bytes for fp8_ds_mla (viewed as uint8).
+    Blocks may be strided (e.g. a cross-layer allocation); the last dimension must be contiguous.
+    """
+    width = FP8_DS_MLA_BYTES if kv_format == "fp8_ds_mla" else HEAD_SIZE
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1:
         raise ValueError(
-            f"bf16 kv cache must be bfloat16 [..., {HEAD_SIZE}], got {kv_cache.dtype} "
-            f"{tuple(kv_cache.shape)}"
+            f"{kv_format} kv cache must be [num_blocks, block_size, {width}] with a contiguous "
+            f"last dimension, got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
         )
-    return kv_cache.view(-1, HEAD_SIZE)
+    if kv_format == "fp8_ds_mla":
+        if kv_cache.element_size() != 1:
+            raise ValueError(f"fp8_ds_mla kv cache must have 1-byte elements, got {kv_cache.dtype}")
+        return kv_cache.view(torch.uint8)
+    if kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"bf16 kv cache must be bfloat16, got {kv_cache.dtype}")
+    return kv_cache
 
 
 def concat_q(q) -> torch.Tensor:

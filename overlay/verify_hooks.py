@@ -7,9 +7,8 @@ works on a CPU-only machine given a stub libcuda). For compute capabilities 8.0,
 64 heads) three ways: as shipped (switch off), with `DSA_OVERLAY_PORTABLE=1`, and with an explicit
 `--attention-backend TRITON_MLA_SPARSE`.
 
-    rep = report()
-    print(rep)            # markdown table
-    rep.ok, rep.problems  # False / one line per row that does not select what it must
+    print(report())             # markdown table; raises SelectionTableError listing wrong rows
+    rep = selection_report()    # the rows, rep.ok, rep.problems
 
 Expectations checked: capabilities without an upstream sparse kernel (8.x, 12.x) get
 TRITON_MLA_SPARSE; 9.0 and 10.0 keep upstream's choice; the portable switch and the explicit choice
@@ -138,7 +137,7 @@ def _problems_for(row, capability) -> list[str]:
     return out
 
 
-def report(capabilities=CAPABILITIES, kv_cache_dtypes=KV_CACHE_DTYPES) -> SelectionReport:
+def selection_report(capabilities=CAPABILITIES, kv_cache_dtypes=KV_CACHE_DTYPES) -> SelectionReport:
     rep = SelectionReport()
     for cap in capabilities:
         for kv in kv_cache_dtypes:
@@ -152,3 +151,15 @@ def report(capabilities=CAPABILITIES, kv_cache_dtypes=KV_CACHE_DTYPES) -> Select
             rep.rows.append(row)
             rep.problems.extend(_problems_for(row, cap))
     return rep
+
+
+class SelectionTableError(RuntimeError):
+    pass
+
+
+def report() -> str:
+    """verify.py's hook: the markdown table; raises (one line per problem) when a row is wrong."""
+    rep = selection_report()
+    if not rep.ok:
+        raise SelectionTableError("; ".join(rep.problems))
+    return str(rep)

@@ -62,19 +62,25 @@ def test_convert_rejects_mismatched_rows():
         )
 
 
-def test_kv_slots_views_without_copy():
+def test_kv_slots_checks_and_never_copies():
     bf16 = torch.randn(3, 64, 576).to(torch.bfloat16)
-    v = ops.kv_slots(bf16, "bf16")
-    assert v.shape == (192, 576) and v.data_ptr() == bf16.data_ptr()
+    assert ops.kv_slots(bf16, "bf16") is bf16
     fp8 = torch.zeros(3, 64, 656, dtype=torch.uint8)
     v = ops.kv_slots(fp8, "fp8_ds_mla")
-    assert v.shape == (192, 656) and v.dtype == torch.uint8 and v.data_ptr() == fp8.data_ptr()
-    with pytest.raises(ValueError, match="656 bytes"):
+    assert v.dtype == torch.uint8 and v.data_ptr() == fp8.data_ptr() and v.shape == fp8.shape
+    as_fp8 = fp8.view(torch.float8_e4m3fn)  # vLLM may hand the cache in an fp8 dtype
+    assert ops.kv_slots(as_fp8, "fp8_ds_mla").dtype == torch.uint8
+    # strided blocks (a cross-layer allocation) pass through untouched
+    strided = torch.zeros(64, 3, 576, dtype=torch.bfloat16).transpose(0, 1)
+    assert ops.kv_slots(strided, "bf16") is strided
+    with pytest.raises(ValueError, match="656"):
         ops.kv_slots(torch.zeros(3, 64, 576, dtype=torch.uint8), "fp8_ds_mla")
     with pytest.raises(ValueError, match="bfloat16"):
-        ops.kv_slots(torch.zeros(3, 64, 512, dtype=torch.bfloat16), "bf16")
-    with pytest.raises(RuntimeError):  # a strided cache must never be silently copied
-        ops.kv_slots(torch.zeros(64, 3, 576, dtype=torch.bfloat16).transpose(0, 1), "bf16")
+        ops.kv_slots(torch.zeros(3, 64, 576, dtype=torch.float16), "bf16")
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        ops.kv_slots(torch.zeros(3, 576, 64, dtype=torch.bfloat16).transpose(1, 2), "bf16")
+    with pytest.raises(ValueError, match="1-byte"):
+        ops.kv_slots(torch.zeros(3, 64, 656, dtype=torch.bfloat16), "fp8_ds_mla")
 
 
 def test_kv_format_for():
@@ -87,6 +93,7 @@ def test_kv_format_for():
 def fp32_sparse_mla_standin(q, kv, indices, softmax_scale, kv_format="bf16"):
     """Test-only float32 stand-in with the kernel's contract (bf16 cache only)."""
     assert kv_format == "bf16"
+    kv = kv.reshape(-1, kv.shape[-1])
     T, H, _ = q.shape
     out = torch.zeros(T, H, 512)
     lse = torch.full((T, H), -math.inf)

@@ -64,7 +64,8 @@ def test_selection_table(staged):
     out = run_json(staged, """
         import json
         from vllm._dsa_overlay import verify_hooks
-        rep = verify_hooks.report()
+        rep = verify_hooks.selection_report()
+        assert verify_hooks.report() == str(rep)
         print(json.dumps({"rows": rep.rows, "problems": rep.problems, "table": str(rep)}))
     """, env={"DSA_OVERLAY_PORTABLE": "0"})
     rows = {(r["cc"], r["kv_cache_dtype"]): r for r in out["rows"]}
@@ -105,6 +106,7 @@ from vllm._dsa_overlay import triton_mla_sparse as tms, triton_mla_sparse_ops as
 
 def fp32_sparse_mla_standin(q, kv, indices, softmax_scale, kv_format="bf16"):
     # test-only float32 stand-in with the kernel's contract (bf16 cache)
+    kv = kv.reshape(-1, kv.shape[-1])
     out = torch.zeros(q.shape[0], q.shape[1], 512)
     for t in range(q.shape[0]):
         idx = indices[t].long()
