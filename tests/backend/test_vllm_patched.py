@@ -12,9 +12,14 @@ import pytest
 
 from tests.backend import vllm_stage
 
+def _venv(env_var, *candidates):
+    paths = [Path(os.environ[env_var])] if env_var in os.environ else [Path(c) for c in candidates]
+    return next((p for p in paths if vllm_stage.venv_site_packages(p)), paths[0])
+
+
 VENVS = {
-    "0.23.0": Path(os.environ.get("DSA_VLLM023_VENV", "/work/venvs/vllm-0.23.0")),
-    "0.16.0": Path(os.environ.get("DSA_VLLM016_VENV", "/work/venvs/vllm-0.16.0")),
+    "0.23.0": _venv("DSA_VLLM023_VENV", "/work/venvs/vllm-0.23.0"),
+    "0.16.0": _venv("DSA_VLLM016_VENV", "/work/venvs/vllm-0.16.0", "/work/venvs/backend-vllm016"),
 }
 
 
