@@ -1,0 +1,134 @@
+"""Where vLLM's sparse-attention indexer gets its fp8 MQA logits: DeepGEMM or the Triton kernels.
+
+The hooks in `sparse_attn_indexer.py` and `v1/attention/backends/mla/indexer.py` call these
+functions instead of `vllm.utils.deep_gemm`'s. They have the same signatures as the wrappers of
+the running vLLM release (0.16.0: `fp8_mqa_logits`, `fp8_paged_mqa_logits`; 0.23.0:
+`fp8_fp4_mqa_logits`, `fp8_fp4_paged_mqa_logits`, fp8 query path) and dispatch per call:
+
+* DeepGEMM when it is usable: installed, on compute capability 9.x/10.x, the portable switch
+  (`DSA_OVERLAY_PORTABLE=1`) off, and the indexer head count one DeepGEMM's kernels accept
+  (32 or 64; measured asserting otherwise on the H200);
+* otherwise the overlay's Triton kernels (`kernels/indexer.py`), which take any head count and
+  run on every capability >= 8.0.
+
+`fill_paged_mqa_logits_metadata` replaces the decode builder's DeepGEMM scheduling call; on the
+Triton path it never touches DeepGEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+DEEP_GEMM_INDEX_HEADS = (32, 64)
+DEEP_GEMM_MAJORS = (9, 10)
+
+
+def deep_gemm_usable_for(capability_major: int | None, installed: bool, portable: bool) -> bool:
+    """Pure part of the decision (unit-tested): may the indexer use DeepGEMM on this device?"""
+    return installed and not portable and capability_major in DEEP_GEMM_MAJORS
+
+
+@functools.cache
+def use_deep_gemm() -> bool:
+    """Per process: DeepGEMM usable on this device and not switched off by the portable switch."""
+    from vllm.platforms import current_platform
+
+    from .selection import portable_switch
+
+    if not current_platform.is_cuda():
+        return False
+    try:
+        from vllm.utils.import_utils import has_deep_gemm
+    except ImportError:  # older layouts
+        from vllm.utils.deep_gemm import has_deep_gemm
+    cap = current_platform.get_device_capability()
+    return deep_gemm_usable_for(cap.major if cap else None, has_deep_gemm(), portable_switch())
+
+
+def logits_available() -> bool:
+    """The indexer can compute logits on this device (DeepGEMM or Triton): always, on CUDA."""
+    return True
+
+
+def _triton():
+    try:  # inside vLLM: vllm/_dsa_overlay/kernels/indexer.py
+        from .kernels import indexer
+    except ImportError:  # from a checkout
+        from dsa_overlay.kernels import indexer
+    return indexer
+
+
+def _deep_gemm():
+    import vllm.utils.deep_gemm as dg
+
+    return dg
+
+
+def _heads(q) -> int:
+    values = q[0] if isinstance(q, tuple) else q
+    return int(values.shape[-2])
+
+
+def _impl(name: str, heads: int):
+    if use_deep_gemm() and heads in DEEP_GEMM_INDEX_HEADS:
+        return getattr(_deep_gemm(), name)
+    return getattr(_triton(), name)
+
+
+# --- vLLM 0.23.0 names ---------------------------------------------------------------------
+
+
+def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits):
+    return _impl("fp8_fp4_mqa_logits", _heads(q))(
+        q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean_logits
+    )
+
+
+def fp8_fp4_paged_mqa_logits(
+    q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len,
+    clean_logits,
+):
+    return _impl("fp8_fp4_paged_mqa_logits", _heads(q))(
+        q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+        max_model_len=max_model_len, clean_logits=clean_logits,
+    )
+
+
+# --- vLLM 0.16.0 names ---------------------------------------------------------------------
+
+
+def fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits):
+    return _impl("fp8_mqa_logits", _heads(q))(
+        q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=clean_logits
+    )
+
+
+def fp8_paged_mqa_logits(
+    q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len,
+    clean_logits,
+):
+    return _impl("fp8_paged_mqa_logits", _heads(q_fp8))(
+        q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
+        max_model_len=max_model_len, clean_logits=clean_logits,
+    )
+
+
+# --- decode scheduling metadata --------------------------------------------------------------
+
+
+def fill_paged_mqa_logits_metadata(buffer, context_lens, block_size: int, num_sms: int) -> None:
+    """Fill the builder's fixed-address schedule buffer for the paged logits kernel.
+
+    DeepGEMM path: DeepGEMM's `get_paged_mqa_logits_metadata` (as upstream does). Triton path: the
+    Triton module's own `get_paged_mqa_logits_metadata` when it has one of the buffer's shape;
+    otherwise the buffer is left as is (the Triton kernel schedules itself).
+    """
+    if use_deep_gemm():
+        buffer[:] = _deep_gemm().get_paged_mqa_logits_metadata(context_lens, block_size, num_sms)
+        return
+    make = getattr(_triton(), "get_paged_mqa_logits_metadata", None)
+    if make is None:
+        return
+    meta = make(context_lens, block_size, num_sms)
+    if meta is not None and tuple(meta.shape) == tuple(buffer.shape):
+        buffer.copy_(meta)
