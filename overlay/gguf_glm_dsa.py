@@ -385,7 +385,7 @@ def config_class():
     try:
         from transformers import GlmMoeDsaConfig  # type: ignore[attr-defined]
         return GlmMoeDsaConfig
-    except ImportError:
+    except Exception:
         return _fallback_config_class()
 
 
@@ -396,7 +396,7 @@ def register_config(registry: dict | None = None) -> None:
     try:
         from transformers import GlmMoeDsaConfig  # type: ignore[attr-defined]  # noqa: F401
         return
-    except ImportError:
+    except Exception:
         pass
     cls = _fallback_config_class()
     from transformers import AutoConfig
@@ -746,6 +746,11 @@ class GlmDsaNameMap(dict):
                 out[alias] = t
         return out
 
+    def dsa_extra_tensor_names(self) -> list[str]:
+        """HF names the file lacks (vLLM ties lm_head to the embedding when it lacks output.weight)."""
+        present = set(merged_tensors(self.headers))
+        return [] if "output.weight" in present else ["lm_head.weight"]
+
     def dsa_weights(self, gguf_files: Iterable[str | os.PathLike] | None = None) -> Iterator[tuple[str, Any]]:
         """vLLM's GGUF weight stream: every ``*.qweight_type`` first, then the data."""
         import torch
@@ -794,10 +799,18 @@ def weights_map(model_path: str | os.PathLike) -> GlmDsaNameMap | None:
     return GlmDsaNameMap(path)
 
 
-def config_for_gguf(model: str | os.PathLike, hf_overrides_kw: dict | None = None):
+def config_for_gguf(model: str | os.PathLike, hf_overrides_kw: dict | None = None, hf_overrides_fn=None):
     """The hook in ``get_config``: a config from a local glm-dsa GGUF's metadata, else None."""
     if not isinstance(model, (str, os.PathLike)) or not os.fspath(model).endswith(".gguf"):
         return None
     if not is_glm_dsa(model):
         return None
-    return hf_config(model, hf_overrides_kw)
+    config = hf_config(model, hf_overrides_kw)
+    if hf_overrides_fn is not None:
+        config = hf_overrides_fn(config)
+    try:   # inside vLLM: normalise rope fields the way get_config does for every config
+        from vllm.transformers_utils.config import patch_rope_parameters
+    except ImportError:
+        return config
+    patch_rope_parameters(config)
+    return config
