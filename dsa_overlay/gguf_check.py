@@ -235,7 +235,10 @@ def check(path: str, hf_config_path: str | None = None, release: str | None = No
         f"indexer (DSA): {cfg['index_n_heads']} heads x {cfg['index_head_dim']}, top-k {cfg['index_topk']}",
         f"MTP: {n_mtp} NextN layer(s)" + (" (usable for MTP speculative decoding)" if n_mtp else ""),
         f"tokenizer: {meta.get('tokenizer.ggml.model', 'none')}/{meta.get('tokenizer.ggml.pre', '-')}, "
-        f"{len(meta.get('tokenizer.ggml.tokens', ()))} tokens",
+        f"{len(meta.get('tokenizer.ggml.tokens', ()))} tokens, " + (
+            "rebuilt from the GGUF by the overlay" if meta.get("tokenizer.ggml.model") == "gpt2"
+            and meta.get("tokenizer.ggml.pre") in g.PRE_TOKENIZER_SPLITS
+            else "not rebuildable: serve with --tokenizer <original model dir>"),
         "bytes per ggml type: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in
                                             sorted(by_type.items(), key=lambda kv: -kv[1])),
         f"dequantized at load: {len(dense)} tensors ({_fmt_bytes(sum(s.nbytes for e in dense for s in e.sources))} "

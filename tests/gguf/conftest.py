@@ -71,3 +71,13 @@ def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="session")
 def tiny_ref(tiny) -> dict[str, torch.Tensor]:
     return load_safetensors(tiny.hf)
+
+
+def fixtures_python() -> str:
+    """The interpreter the builder used (it has transformers >= 5 and tokenizers)."""
+    venv = os.environ.get("DSA_OVERLAY_FIXTURES_VENV")
+    if venv:
+        return str(Path(venv) / "bin" / "python")
+    root = Path(os.environ.get("DSA_OVERLAY_FIXTURES", Path.home() / ".cache" / "dsa-overlay" / "fixtures"))
+    py = root / "venv" / "bin" / "python"
+    return str(py) if py.exists() else sys.executable

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PRISTINE = Path.home() / ".cache" / "dsa-overlay" / "pristine"
 VENV = Path(os.environ.get("DSA_OVERLAY_VLLM023_VENV", "/work/venvs/vllm-0.23.0"))
 STUB = Path(os.environ.get("DSA_OVERLAY_LIBCUDA_STUB", "/work/venvs/libcuda-stub"))
-MY_DIFFS = ("gguf_loader.diff", "weight_utils.diff", "config_gguf.diff")
+MY_DIFFS = ("gguf_loader.diff", "weight_utils.diff", "config_gguf.diff", "tokenizer_registry.diff")
 
 
 def _manifest_patches(ver):
@@ -101,6 +101,11 @@ for name, p in (("single", path), ("split", split)):
         "sums": {n: float(t.double().sum()) if t.dtype != torch.uint8 else int(t.long().sum()) for n, t in stream},
     }
 out["res"] = res
+from vllm.tokenizers.registry import get_tokenizer
+tk = get_tokenizer(path)                            # no --tokenizer: rebuilt from the GGUF
+ref = get_tokenizer(hf)
+text = "[gMASK]<sop>sparse attention index 12345 selects tokens"
+out["tok"] = [tk.encode(text), ref.encode(text)]
 print("JSON" + json.dumps(out))
 """
 
@@ -123,6 +128,7 @@ def test_vllm_023_gguf_iteration_through_the_hooks(patched_site, tiny):
     py, site = patched_site
     env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
                LD_LIBRARY_PATH=f"{STUB}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env["DSA_OVERLAY_CACHE"] = str(site / "cache")
     proc = subprocess.run([str(py), "-c", _PROBE, str(site), tiny.gguf("Q4_K_M"), tiny.split_first,
                            str(tiny.hf)], capture_output=True, text=True, env=env, timeout=600)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("JSON")), None)
@@ -155,3 +161,4 @@ def test_vllm_023_gguf_iteration_through_the_hooks(patched_site, tiny):
     assert all(not n.endswith("qweight_type") for n in names[first_data:])
     assert "model.layers.1.mlp.experts.0.gate_proj.qweight" in names
     assert "model.layers.1.self_attn.kv_b_proj.weight" in names
+    assert out["tok"][0] == out["tok"][1] and len(out["tok"][0]) > 5
