@@ -73,6 +73,7 @@ def tiny_ref(tiny) -> dict[str, torch.Tensor]:
     return load_safetensors(tiny.hf)
 
 
+@pytest.fixture(scope="session")
 def fixtures_python() -> str:
     """The interpreter the builder used (it has transformers >= 5 and tokenizers)."""
     venv = os.environ.get("DSA_OVERLAY_FIXTURES_VENV")

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
-from conftest import REPO, fixtures_python
+REPO = Path(__file__).resolve().parents[2]
 
 _PROBE = r"""
 import json, sys
@@ -29,8 +30,8 @@ print("JSON" + json.dumps(out))
 """
 
 
-def test_tokenizer_from_gguf_matches_original(tiny, tmp_path):
-    proc = subprocess.run([fixtures_python(), "-c", _PROBE, str(REPO), str(tiny.hf), tiny.gguf("Q4_K_M")],
+def test_tokenizer_from_gguf_matches_original(tiny, tmp_path, fixtures_python):
+    proc = subprocess.run([fixtures_python, "-c", _PROBE, str(REPO), str(tiny.hf), tiny.gguf("Q4_K_M")],
                           capture_output=True, text=True, env={"DSA_OVERLAY_CACHE": str(tmp_path),
                                                                "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     line = next((l for l in proc.stdout.splitlines() if l.startswith("JSON")), None)
