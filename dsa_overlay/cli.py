@@ -160,5 +160,14 @@ def _forced(r: dict) -> str:
     return f", forced onto vLLM {r['vllm_version']} by --force-version" if r.get("forced_version") else ""
 
 
+def _register_extensions() -> None:
+    from .gguf_check import check_gguf
+
+    cli.add_command(check_gguf)
+
+
+_register_extensions()
+
+
 def main() -> None:
     cli(prog_name="apply.py")

@@ -8,6 +8,8 @@ to the file that exists in either layout."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -42,3 +44,18 @@ def display(path: Path) -> str:
         except ValueError:
             continue
     return str(path)
+
+
+def load_overlay_module(name: str):
+    """Import `overlay/<name>.py` (checkout or wheel layout) as `dsa_overlay._overlay_<name>`.
+
+    Overlay modules import without vLLM by design, so the tool can reuse their logic (e.g. check-gguf
+    reads GGUF headers with the same name table the loader hook uses) without a top-level `overlay` package."""
+    qual = f"dsa_overlay._overlay_{name}"
+    if qual in sys.modules:
+        return sys.modules[qual]
+    spec = importlib.util.spec_from_file_location(qual, source(f"overlay/{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[qual] = mod
+    spec.loader.exec_module(mod)
+    return mod

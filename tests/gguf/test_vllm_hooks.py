@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PRISTINE = Path.home() / ".cache" / "dsa-overlay" / "pristine"
 VENV = Path(os.environ.get("DSA_OVERLAY_VLLM023_VENV", "/work/venvs/vllm-0.23.0"))
 STUB = Path(os.environ.get("DSA_OVERLAY_LIBCUDA_STUB", "/work/venvs/libcuda-stub"))
-MY_DIFFS = ("gguf_loader.diff", "weight_utils.diff", "config_gguf.diff", "tokenizer_registry.diff")
+MY_DIFFS = ("gguf_loader.diff", "weight_utils.diff", "config.diff", "tokenizer_registry.diff")
 
 
 def _manifest_patches(ver):
