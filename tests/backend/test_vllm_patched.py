@@ -1,49 +1,31 @@
 """The patched vLLM on CPU: this branch's diffs + overlay staged over a real vLLM install
-(symlink copy, see vllm_stage.py), run in that install's interpreter with the stub libcuda.
+(the engine applies it to a hard-linked copy, see tests/vllm_envs.py), run in that install's interpreter with the stub libcuda.
 
 Skipped, with the reason shown, when the vLLM venv or the stub is not on this machine."""
 
 import json
-import os
+import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.backend import vllm_stage
-
-def _venv(env_var, *candidates):
-    paths = [Path(os.environ[env_var])] if env_var in os.environ else [Path(c) for c in candidates]
-    return next((p for p in paths if vllm_stage.venv_site_packages(p)), paths[0])
-
-
-VENVS = {
-    "0.23.0": _venv("DSA_VLLM023_VENV", "/work/venvs/vllm-0.23.0"),
-    "0.16.0": _venv("DSA_VLLM016_VENV", "/work/venvs/vllm-0.16.0", "/work/venvs/backend-vllm016"),
-}
-
-
-def _staged(version, tmp_path_factory):
-    venv = VENVS[version]
-    sp = vllm_stage.venv_site_packages(venv)
-    if sp is None:
-        pytest.skip(f"no vLLM {version} venv at {venv}")
-    if not (vllm_stage.LIBCUDA_STUB / "libcuda.so.1").exists():
-        pytest.skip(f"no stub libcuda at {vllm_stage.LIBCUDA_STUB}")
-    if not (vllm_stage.REPO / "patches" / version / "manifest.toml").exists():
-        pytest.skip(f"no patches/{version}/manifest.toml yet")
-    dest = tmp_path_factory.mktemp(f"vllm{version}")
-    return venv, vllm_stage.stage(sp, version, dest)
+from tests import vllm_envs
 
 
 @pytest.fixture(scope="module", params=["0.23.0", "0.16.0"])
 def staged(request, tmp_path_factory):
-    return _staged(request.param, tmp_path_factory)
+    """(python, patched site, env): the overlay applied by the engine to a hard-linked copy of a real vLLM."""
+    return vllm_envs.patched_site(request.param, tmp_path_factory.mktemp(f"vllm{request.param}"))
+
+
+def run_python(staged, code, env_extra=None, timeout=300):
+    python, root, env = staged
+    return subprocess.run([str(python), "-c", code], env=dict(env, **(env_extra or {})), capture_output=True,
+                          text=True, timeout=timeout, cwd=str(root))
 
 
 def run_json(staged, code, env=None):
-    venv, root = staged
-    proc = vllm_stage.run_python(venv, root, textwrap.dedent(code), env_extra=env)
+    proc = run_python(staged, textwrap.dedent(code), env_extra=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -85,7 +67,6 @@ def test_selection_table(staged):
 
 
 def test_selection_logs_one_line_why(staged):
-    venv, root = staged
     code = textwrap.dedent("""
         import torch
         from vllm._dsa_overlay import verify_hooks as v
@@ -95,7 +76,7 @@ def test_selection_logs_one_line_why(staged):
                                                         v._platform_at((8, 6)).get_attn_backend_cls
                                                         ).parameters else {}))
     """)
-    proc = vllm_stage.run_python(venv, root, code, env_extra={"VLLM_LOGGING_LEVEL": "INFO"})
+    proc = run_python(staged, code, env_extra={"VLLM_LOGGING_LEVEL": "INFO"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [l for l in (proc.stdout + proc.stderr).splitlines() if "dsa-overlay" in l]
     assert len(lines) == 1, lines

@@ -1,64 +1,18 @@
-"""The diffs against the pristine releases, and vLLM 0.23.0's own GGUF code running through them.
+"""vLLM 0.23.0's own GGUF code running through the overlay's hooks (thin-hook and compile checks of
+every patch set: tests/engine/test_patch_sets.py).
 
-The second part needs a vLLM 0.23.0 venv (``DSA_OVERLAY_VLLM023_VENV``, default
-/work/venvs/vllm-0.23.0); vLLM is patched in a temporary hard-linked copy of its package, never in
-place.  ``vllm.platforms.cuda`` needs a stub libcuda on a CPU machine (``DSA_OVERLAY_LIBCUDA_STUB``).
+It needs the vLLM 0.23.0 venv that .ci/run creates (tests/vllm_envs.py); the engine applies
+the overlay to a temporary hard-linked copy of its package, never in place, and a generated stub libcuda
+stands in for the driver on a CPU machine.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
-import tomllib
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-PRISTINE = Path.home() / ".cache" / "dsa-overlay" / "pristine"
-VENV = Path(os.environ.get("DSA_OVERLAY_VLLM023_VENV", "/work/venvs/vllm-0.23.0"))
-STUB = Path(os.environ.get("DSA_OVERLAY_LIBCUDA_STUB", "/work/venvs/libcuda-stub"))
-MY_DIFFS = ("gguf_loader.diff", "weight_utils.diff", "config.diff", "tokenizer_registry.diff")
-
-
-def _manifest_patches(ver):
-    m = tomllib.loads((REPO / "patches" / ver / "manifest.toml").read_text())
-    return [p for p in m["patch"] if p["diff"] in MY_DIFFS]
-
-
-def _apply(site: Path, ver: str) -> None:
-    """Apply this branch's GGUF diffs to the tree under ``site`` (files replaced, never edited)."""
-    for p in _manifest_patches(ver):
-        target = site / p["target"]
-        new = target.with_name(target.name + ".dsa-new")
-        subprocess.run(["patch", "-s", "-p1", "-o", str(new), str(target),
-                        str(REPO / "patches" / ver / p["diff"])], check=True, cwd=site)
-        os.replace(new, target)
-    dst = site / "vllm" / "_dsa_overlay"
-    dst.mkdir(exist_ok=True)
-    for f in (REPO / "overlay").glob("*.py"):
-        shutil.copy(f, dst / f.name)
-
-
-@pytest.mark.parametrize("ver", ["0.16.0", "0.23.0"])
-def test_diffs_apply_to_pristine_and_compile(ver, tmp_path):
-    if not (PRISTINE / ver / "vllm").is_dir():
-        pytest.skip(f"no pristine vLLM {ver} under {PRISTINE}")
-    import hashlib
-    for p in _manifest_patches(ver):
-        src = PRISTINE / ver / p["target"]
-        assert hashlib.sha256(src.read_bytes()).hexdigest() == p["sha256"], p["target"]
-        dst = tmp_path / p["target"]
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src, dst)
-        diff = (REPO / "patches" / ver / p["diff"]).read_text()
-        added = [l for l in diff.splitlines() if l.startswith("+") and not l.startswith("+++")]
-        assert 0 < len(added) <= 16, f"{p['diff']}: {len(added)} added lines is not a thin hook"
-    _apply(tmp_path, ver)
-    for p in _manifest_patches(ver):
-        compile((tmp_path / p["target"]).read_text(), p["target"], "exec")
+from tests import vllm_envs
 
 
 _PROBE = r"""
@@ -112,22 +66,12 @@ print("JSON" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def patched_site(tmp_path_factory):
-    log = Path("/work/venvs/vllm023.log")
-    py = VENV / "bin" / "python"
-    if not py.exists() or (log.exists() and not log.read_text().rstrip().endswith("done 0")):
-        pytest.skip(f"no ready vLLM 0.23.0 venv at {VENV}")
-    site_src = next((VENV / "lib").glob("python3*/site-packages"))
-    site = tmp_path_factory.mktemp("site")
-    # hard links: instant, no space; patched files are replaced by new inodes, originals untouched
-    subprocess.run(["cp", "-al", str(site_src / "vllm"), str(site / "vllm")], check=True)
-    _apply(site, "0.23.0")
-    return py, site
+    return vllm_envs.patched_site("0.23.0", tmp_path_factory.mktemp("site"))
 
 
 def test_vllm_023_gguf_iteration_through_the_hooks(patched_site, tiny):
-    py, site = patched_site
-    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
-               LD_LIBRARY_PATH=f"{STUB}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    py, site, env = patched_site
+    env = dict(env)
     env["DSA_OVERLAY_CACHE"] = str(site / "cache")
     proc = subprocess.run([str(py), "-c", _PROBE, str(site), tiny.gguf("Q4_K_M"), tiny.split_first,
                            str(tiny.hf)], capture_output=True, text=True, env=env, timeout=600)
