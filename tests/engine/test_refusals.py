@@ -222,7 +222,8 @@ def test_force_version_on_a_relabelled_release_is_recorded(tree):
         (site / rel).write_bytes(b"# shifted\n" * 5 + original)
         proc = cli("--vllm-site-packages", site, "--force-version", tree.version)
         assert proc.returncode == 0, proc.stderr
-        assert f"patched  {rel}  (hunks shifted by [5])" in proc.stdout
+        n_hunks = next(p for p in manifest.load(tree.version).patches if p.target == rel).diff.read_text().count("\n@@ ")
+        assert f"patched  {rel}  (hunks shifted by {[5] * n_hunks})" in proc.stdout
         assert "forced onto vLLM 9.0.0 by --force-version" in proc.stdout
         st = json.loads(cli("status", "--vllm-site-packages", site, "--json").stdout)
         assert (st["state"], st["forced_version"], st["vllm_version"]) == ("applied", tree.version, "9.0.0")
