@@ -206,7 +206,7 @@ def _request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift, 
 
 @triton.jit
 def _paged_mqa_logits_kernel(
-    q_ptr, kv_ptr, kvs_ptr, w_ptr, cl_ptr, bt_ptr, out_ptr,
+    q_ptr, kv_ptr, w_ptr, cl_ptr, bt_ptr, out_ptr,
     B, H, next_n, j0, max_model_len, is_1d, clean, block_size, num_programs,
     stride_qb, stride_qn, stride_qh, stride_wm, stride_wh, stride_cb, stride_cj, stride_btb,
     stride_blk, stride_om,
@@ -216,8 +216,13 @@ def _paged_mqa_logits_kernel(
     """Decode, persistent: work item = (request b, key tile t) for query tokens [j0, j0 + T) of b.
     Request b has max(1, cdiv(len_b, BLOCK_N)) items (len_b: the furthest position any of its
     tokens sees, or max_model_len when cleaning); program p takes items
-    [p * total / P, (p + 1) * total / P) in request-major order."""
+    [p * total / P, (p + 1) * total / P) in request-major order.  kv_ptr is the uint8 cache."""
     pid = tl.program_id(0)
+    kvs_ptr = kv_ptr.to(tl.pointer_type(tl.float32))
+    if DOT_MODE % 2 == 0:   # DOT_FP8 / DOT_FP32 load e4m3 tiles; the others decode raw bytes
+        kvv_ptr = kv_ptr.to(tl.pointer_type(tl.float8e4nv))
+    else:
+        kvv_ptr = kv_ptr
     rt = tl.arange(0, T)
     tok = j0 + rt
     tok_ok = tok < next_n
@@ -272,7 +277,7 @@ def _paged_mqa_logits_kernel(
         phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + n // block_size, mask=n_ok,
                        other=0).to(tl.int64)
         off = n % block_size
-        k = tl.load(kv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
+        k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
                     mask=n_ok[:, None], other=0.0)
         ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok, other=0.0)
         logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
@@ -362,8 +367,9 @@ def launch_configs(capability) -> list[tuple[str, dict]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _cuda_info(device_index: int):
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor), props.multi_processor_count
 
 
 def _device_info(device: torch.device):
@@ -373,8 +379,17 @@ def _device_info(device: torch.device):
     if device.type != "cuda":
         _fail(f"tensors are on {device}; the Triton indexer needs CUDA tensors (or "
               "TRITON_INTERPRET=1 set before this module is imported, for CPU tests)")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index), _num_sms(index)
+    return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_cfg(capability, heads):
+    return prefill_config(capability, heads)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_cfg(capability, heads, next_n):
+    return decode_config(capability, heads, next_n)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -389,11 +404,6 @@ def _fail(msg: str):
     raise ValueError(f"dsa_overlay indexer: {msg}")
 
 
-def _check(cond: bool, msg: str):
-    if not cond:
-        _fail(msg)
-
-
 def _fp4_unsupported(what: str):
     raise NotImplementedError(
         f"dsa_overlay indexer: {what} is MXFP4; the Triton indexer implements the fp8 path only. "
@@ -403,16 +413,18 @@ def _fp4_unsupported(what: str):
 def _result(out, shape, device) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=torch.float32, device=device)
-    _check(tuple(out.shape) == tuple(shape) and out.dtype == torch.float32 and out.stride(1) == 1,
-           f"_out must be {list(shape)} float32 with contiguous rows, got {tuple(out.shape)} "
-           f"{out.dtype}")
+    if not (tuple(out.shape) == tuple(shape) and out.dtype == torch.float32 and out.stride(1) == 1):
+
+        _fail(f"_out must be {list(shape)} float32 with contiguous rows, got {tuple(out.shape)} "
+              f"{out.dtype}")
     return out
 
 
 def _unpack_q(q, name: str) -> torch.Tensor:
     """0.23.0 passes q as (values, scales_or_None); None scales means the fp8 path."""
     if isinstance(q, (tuple, list)):
-        _check(len(q) == 2, f"{name} must be (values, scales) or a tensor")
+        if len(q) != 2:
+            _fail(f"{name} must be (values, scales) or a tensor")
         values, scales = q
         if scales is not None or values.dtype in _PACKED_FP4:
             _fp4_unsupported(name)
@@ -459,23 +471,34 @@ def fp8_mqa_logits(
     benchmarks.
     """
     k, k_scales = kv
-    _check(q.dim() == 3, f"q must be [M, H, D], got shape {tuple(q.shape)}")
+    if q.dim() != 3:
+        _fail(f"q must be [M, H, D], got shape {tuple(q.shape)}")
     M, H, D = q.shape
-    _check(D == HEAD_DIM, f"q head dim must be {HEAD_DIM}, got {D}")
-    _check(1 <= H <= MAX_HEADS, f"q must have 1..{MAX_HEADS} index heads, got {H}")
+    if D != HEAD_DIM:
+        _fail(f"q head dim must be {HEAD_DIM}, got {D}")
+    if not (1 <= H <= MAX_HEADS):
+
+        _fail(f"q must have 1..{MAX_HEADS} index heads, got {H}")
     if q.dtype in _PACKED_FP4 or k.dtype in _PACKED_FP4:
         _fp4_unsupported("q" if q.dtype in _PACKED_FP4 else "kv")
-    _check(q.dtype == _FP8, f"q must be torch.float8_e4m3fn, got {q.dtype}")
-    _check(k.dtype == _FP8, f"kv[0] (k) must be torch.float8_e4m3fn, got {k.dtype}")
-    _check(k.dim() == 2 and k.shape[1] == D, f"kv[0] (k) must be [N, {D}], got {tuple(k.shape)}")
+    if q.dtype != _FP8:
+        _fail(f"q must be torch.float8_e4m3fn, got {q.dtype}")
+    if k.dtype != _FP8:
+        _fail(f"kv[0] (k) must be torch.float8_e4m3fn, got {k.dtype}")
+    if not (k.dim() == 2 and k.shape[1] == D):
+
+        _fail(f"kv[0] (k) must be [N, {D}], got {tuple(k.shape)}")
     N = k.shape[0]
     k_scales = k_scales.reshape(-1)
-    _check(k_scales.numel() == N and k_scales.dtype == torch.float32,
-           f"kv[1] (k_scales) must be [N={N}] float32, got {tuple(k_scales.shape)} {k_scales.dtype}")
-    _check(weights.shape == (M, H), f"weights must be [M={M}, H={H}], got {tuple(weights.shape)}")
-    _check(cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,),
-           f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
-           f"and {tuple(cu_seqlen_ke.shape)}")
+    if not (k_scales.numel() == N and k_scales.dtype == torch.float32):
+
+        _fail(f"kv[1] (k_scales) must be [N={N}] float32, got {tuple(k_scales.shape)} {k_scales.dtype}")
+    if weights.shape != (M, H):
+        _fail(f"weights must be [M={M}, H={H}], got {tuple(weights.shape)}")
+    if not (cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,)):
+
+        _fail(f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
+              f"and {tuple(cu_seqlen_ke.shape)}")
     if q.stride(2) != 1:
         q = q.contiguous()
     if k.stride(1) != 1:
@@ -488,8 +511,9 @@ def fp8_mqa_logits(
     if M == 0 or N == 0:
         return logits
     capability, num_sms = _device_info(q.device)
-    cfg = dict(prefill_config(capability, H))
-    cfg.update(_config or {})
+    cfg = _prefill_cfg(capability, H)
+    if _config:
+        cfg = {**cfg, **_config}
     bn, bt = cfg["BLOCK_N"], cfg["BT"]
     m_groups = triton.cdiv(M, bt)
     n_tiles = triton.cdiv(N, bn)
@@ -542,30 +566,33 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
     return torch.zeros((int(num_sms) + 1, 2), dtype=torch.int32, device=context_lens.device)
 
 
-def _split_paged_cache(kv_cache: torch.Tensor, D: int):
-    """(fp8 view, float32 view, block_size, bytes per block) of a paged indexer cache."""
-    _check(kv_cache.dtype == torch.uint8, f"kv_cache must be torch.uint8, got {kv_cache.dtype}")
+def _check_paged_cache(kv_cache: torch.Tensor, D: int):
+    """(block_size, bytes per block) of a paged indexer cache, after checking its layout."""
+    if kv_cache.dtype != torch.uint8:
+        _fail(f"kv_cache must be torch.uint8, got {kv_cache.dtype}")
     if kv_cache.dim() == 4:
-        _check(kv_cache.shape[2] == 1, f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], "
-               f"got {tuple(kv_cache.shape)}")
+        if kv_cache.shape[2] != 1:
+            _fail(f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], "
+                  f"got {tuple(kv_cache.shape)}")
         kv_cache = kv_cache.squeeze(2)
-    _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], got "
-           f"{tuple(kv_cache.shape)}")
+    if kv_cache.dim() != 3:
+        _fail(f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], got "
+              f"{tuple(kv_cache.shape)}")
     nb, block_size, width = kv_cache.shape
     if width == D // 2 + D // 32:
         _fp4_unsupported("kv_cache")
-    _check(width == D + 4, f"kv_cache last dim must be D + 4 = {D + 4} (fp8 values + fp32 scale), "
-           f"got {width}")
-    _check(kv_cache.stride(2) == 1 and kv_cache.stride(1) == width,
-           f"kv_cache must be contiguous inside a block, got strides {kv_cache.stride()}")
+    if width != D + 4:
+        _fail(f"kv_cache last dim must be D + 4 = {D + 4} (fp8 values + fp32 scale), "
+              f"got {width}")
+    if not (kv_cache.stride(2) == 1 and kv_cache.stride(1) == width):
+        _fail(f"kv_cache must be contiguous inside a block, got strides {kv_cache.stride()}")
     stride_blk = kv_cache.stride(0)
-    _check(stride_blk % 16 == 0, f"kv_cache block stride must be a multiple of 16 bytes, got "
-           f"{stride_blk}")
-    _check(kv_cache.storage_offset() % 16 == 0, "kv_cache must start 16-byte aligned")
-    # Views over the whole storage from the tensor's first byte: fp8 values and fp32 scales.
-    span = (nb - 1) * stride_blk + block_size * width if nb > 0 else 0
-    flat = kv_cache.as_strided((span,), (1,))
-    return flat.view(_FP8), flat.view(torch.float32), block_size, stride_blk
+    if stride_blk % 16 != 0:
+        _fail(f"kv_cache block stride must be a multiple of 16 bytes, got "
+              f"{stride_blk}")
+    if kv_cache.data_ptr() % 16 != 0:
+        _fail("kv_cache must start 16-byte aligned")
+    return block_size, stride_blk
 
 
 def fp8_paged_mqa_logits(
@@ -611,31 +638,39 @@ def fp8_paged_mqa_logits(
     `_config` (tile overrides) and `_out` (a preallocated result) are for tests and benchmarks.
     """
     q = q_fp8
-    _check(q.dim() == 4, f"q_fp8 must be [B, next_n, H, D], got shape {tuple(q.shape)}")
+    if q.dim() != 4:
+        _fail(f"q_fp8 must be [B, next_n, H, D], got shape {tuple(q.shape)}")
     B, next_n, H, D = q.shape
-    _check(D == HEAD_DIM, f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
-    _check(1 <= H <= MAX_HEADS, f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
+    if D != HEAD_DIM:
+        _fail(f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
+    if not (1 <= H <= MAX_HEADS):
+
+        _fail(f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
     if q.dtype in _PACKED_FP4:
         _fp4_unsupported("q")
-    _check(q.dtype == _FP8, f"q_fp8 must be torch.float8_e4m3fn, got {q.dtype}")
-    kv8, kvf, block_size, stride_blk = _split_paged_cache(kv_cache_fp8, D)
-    _check(weights.shape == (B * next_n, H),
-           f"weights must be [B * next_n = {B * next_n}, H = {H}], got {tuple(weights.shape)}")
+    if q.dtype != _FP8:
+        _fail(f"q_fp8 must be torch.float8_e4m3fn, got {q.dtype}")
+    block_size, stride_blk = _check_paged_cache(kv_cache_fp8, D)
+    if weights.shape != (B * next_n, H):
+        _fail(f"weights must be [B * next_n = {B * next_n}, H = {H}], got {tuple(weights.shape)}")
     if context_lens.dim() == 1:
-        _check(context_lens.shape[0] == B, f"context_lens must be [B={B}] or [B, next_n], got "
-               f"{tuple(context_lens.shape)}")
+        if context_lens.shape[0] != B:
+            _fail(f"context_lens must be [B={B}] or [B, next_n], got "
+                  f"{tuple(context_lens.shape)}")
         is_1d, stride_cb, stride_cj = 1, context_lens.stride(0), 0
     else:
-        _check(context_lens.dim() == 2 and context_lens.shape == (B, next_n),
-               f"context_lens must be [B={B}] or [B, next_n={next_n}], got "
-               f"{tuple(context_lens.shape)}")
+        if not (context_lens.dim() == 2 and context_lens.shape == (B, next_n)):
+
+            _fail(f"context_lens must be [B={B}] or [B, next_n={next_n}], got "
+                  f"{tuple(context_lens.shape)}")
         is_1d, stride_cb, stride_cj = 0, context_lens.stride(0), context_lens.stride(1)
-    _check(context_lens.dtype == torch.int32, f"context_lens must be int32, got "
-           f"{context_lens.dtype}")
-    _check(block_tables.dim() == 2 and block_tables.shape[0] >= B
-           and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1,
-           f"block_tables must be [B={B}, max_blocks] int32 with contiguous rows, got "
-           f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    if context_lens.dtype != torch.int32:
+        _fail(f"context_lens must be int32, got "
+              f"{context_lens.dtype}")
+    if not (block_tables.dim() == 2 and block_tables.shape[0] >= B
+           and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1):
+        _fail(f"block_tables must be [B={B}, max_blocks] int32 with contiguous rows, got "
+              f"{tuple(block_tables.shape)} {block_tables.dtype}")
     if q.stride(3) != 1:
         q = q.contiguous()
     max_model_len = int(max_model_len)
@@ -644,15 +679,16 @@ def fp8_paged_mqa_logits(
     if B == 0 or max_model_len == 0:
         return logits
     capability, num_sms = _device_info(q.device)
-    cfg = dict(decode_config(capability, H, next_n))
-    cfg.update(_config or {})
+    cfg = _decode_cfg(capability, H, next_n)
+    if _config:
+        cfg = {**cfg, **_config}
     programs = cfg.get("programs") or 4 * num_sms
     t = cfg["T"]
     if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
-        q, kv8 = q.view(torch.uint8), kv8.view(torch.uint8)
+        q = q.view(torch.uint8)   # sm_80/86 Triton has no e4m3 type: pass raw bytes
     for j0 in range(0, next_n, t):
         _paged_mqa_logits_kernel[(programs,)](
-            q, kv8, kvf, weights, context_lens, block_tables, logits,
+            q, kv_cache_fp8, weights, context_lens, block_tables, logits,
             B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
             stride_cb, stride_cj, block_tables.stride(0), stride_blk, logits.stride(0),
@@ -704,11 +740,13 @@ def fp8_mqa_logits_ref(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke) -> torch.Tens
 def _read_paged_cache(kv_cache: torch.Tensor, D: int = HEAD_DIM):
     """(values [num_blocks, block_size, D] float8_e4m3fn, scales [num_blocks, block_size] float32):
     views of the paged cache in vLLM's block layout (no copy)."""
-    kv8, kvf, block_size, stride_blk = _split_paged_cache(kv_cache, D)
+    block_size, stride_blk = _check_paged_cache(kv_cache, D)
     nb = kv_cache.shape[0]
-    vals = torch.as_strided(kv8, (nb, block_size, D), (stride_blk, D, 1))
-    scales = torch.as_strided(kvf, (nb, block_size), (stride_blk // 4, 1),
-                              storage_offset=kvf.storage_offset() + block_size * D // 4)
+    flat = kv_cache.as_strided(((nb - 1) * stride_blk + block_size * (D + 4),), (1,))
+    vals = torch.as_strided(flat.view(_FP8), (nb, block_size, D), (stride_blk, D, 1))
+    f32 = flat.view(torch.float32)
+    scales = torch.as_strided(f32, (nb, block_size), (stride_blk // 4, 1),
+                              storage_offset=f32.storage_offset() + block_size * D // 4)
     return vals, scales
 
 
@@ -773,7 +811,9 @@ def indexer_k_quant_and_cache_ref(k: torch.Tensor, kv_cache: torch.Tensor,
     vals = (kg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(_FP8).reshape(-1, D)
     blk, off = slots // block_size, slots % block_size
     flat = kv_cache.reshape(nb, -1) if kv_cache.is_contiguous() else None
-    _check(flat is not None, "indexer_k_quant_and_cache_ref needs a contiguous cache")
+    if not (flat is not None):
+
+        _fail("indexer_k_quant_and_cache_ref needs a contiguous cache")
     val_idx = (off * D)[:, None] + torch.arange(D, device=k.device)[None, :]
     flat[blk[:, None], val_idx] = vals.view(torch.uint8)
     scale_bytes = scale.contiguous().view(torch.uint8).reshape(-1, groups * 4)
