@@ -559,9 +559,16 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
                                   num_sms: int) -> torch.Tensor:
     """Scheduling metadata slot for `fp8_paged_mqa_logits` (DeepGEMM drop-in).
 
-    The Triton decode kernel balances its work itself, so this returns zeros of the shape vLLM's
-    metadata buffer has: [num_sms + 1, 2] int32 on context_lens' device.  `fp8_paged_mqa_logits`
-    ignores the value, so a stale or never-filled buffer is harmless.
+    Args:
+        context_lens: [B] or [B, next_n] int32 context lengths (only its device is used).
+        block_size: cache block size in tokens (unused).
+        num_sms: number of SMs vLLM sized its metadata buffer for.
+
+    Returns:
+        zeros [num_sms + 1, 2] int32 on context_lens' device: the shape of vLLM's
+        `scheduler_metadata_buffer`, which assigns this result in place.  The Triton decode kernel
+        balances its work itself and ignores the value, so a stale or never-filled buffer (vLLM
+        0.23.0 fills it only when DeepGEMM is installed) is harmless.
     """
     return torch.zeros((int(num_sms) + 1, 2), dtype=torch.int32, device=context_lens.device)
 
@@ -725,8 +732,9 @@ def fp8_fp4_paged_mqa_logits(
 
 
 def fp8_mqa_logits_ref(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke) -> torch.Tensor:
-    """Plain torch `fp8_mqa_logits` with clean_logits=True semantics: [M, N] float32, -inf outside
-    [ks[m], ke[m]).  Computed in float64, relu applied to scale * dot (the textbook form)."""
+    """Plain torch `fp8_mqa_logits` (same arguments) with clean_logits=True semantics: [M, N]
+    float32, -inf outside [ks[m], ke[m]).  Computed in float64 with the ReLU applied to
+    scale * dot (the textbook form), so it also checks the kernel's scale-after-ReLU order."""
     k, ks = kv
     qd = q.to(torch.float64)
     kd = k.to(torch.float64) * ks.reshape(-1, 1).to(torch.float64)
@@ -752,8 +760,9 @@ def _read_paged_cache(kv_cache: torch.Tensor, D: int = HEAD_DIM):
 
 def fp8_paged_mqa_logits_ref(q, kv_cache, weights, context_lens, block_tables,
                              max_model_len) -> torch.Tensor:
-    """Plain torch `fp8_paged_mqa_logits` with clean_logits=True semantics:
-    [B * next_n, max_model_len] float32, -inf where a token does not see the key.  float64 math."""
+    """Plain torch `fp8_paged_mqa_logits` (same arguments, no schedule metadata) with
+    clean_logits=True semantics: [B * next_n, max_model_len] float32, -inf where a token does not
+    see the key.  Reads the cache through vLLM's block layout, one request at a time; float64."""
     B, next_n, H, D = q.shape
     vals, scales = _read_paged_cache(kv_cache, D)
     block_size = vals.shape[1]
