@@ -414,7 +414,6 @@ def _result(out, shape, device) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=torch.float32, device=device)
     if not (tuple(out.shape) == tuple(shape) and out.dtype == torch.float32 and out.stride(1) == 1):
-
         _fail(f"_out must be {list(shape)} float32 with contiguous rows, got {tuple(out.shape)} "
               f"{out.dtype}")
     return out
@@ -477,7 +476,6 @@ def fp8_mqa_logits(
     if D != HEAD_DIM:
         _fail(f"q head dim must be {HEAD_DIM}, got {D}")
     if not (1 <= H <= MAX_HEADS):
-
         _fail(f"q must have 1..{MAX_HEADS} index heads, got {H}")
     if q.dtype in _PACKED_FP4 or k.dtype in _PACKED_FP4:
         _fp4_unsupported("q" if q.dtype in _PACKED_FP4 else "kv")
@@ -486,17 +484,14 @@ def fp8_mqa_logits(
     if k.dtype != _FP8:
         _fail(f"kv[0] (k) must be torch.float8_e4m3fn, got {k.dtype}")
     if not (k.dim() == 2 and k.shape[1] == D):
-
         _fail(f"kv[0] (k) must be [N, {D}], got {tuple(k.shape)}")
     N = k.shape[0]
     k_scales = k_scales.reshape(-1)
     if not (k_scales.numel() == N and k_scales.dtype == torch.float32):
-
         _fail(f"kv[1] (k_scales) must be [N={N}] float32, got {tuple(k_scales.shape)} {k_scales.dtype}")
     if weights.shape != (M, H):
         _fail(f"weights must be [M={M}, H={H}], got {tuple(weights.shape)}")
     if not (cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,)):
-
         _fail(f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
               f"and {tuple(cu_seqlen_ke.shape)}")
     if q.stride(2) != 1:
@@ -651,7 +646,6 @@ def fp8_paged_mqa_logits(
     if D != HEAD_DIM:
         _fail(f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
     if not (1 <= H <= MAX_HEADS):
-
         _fail(f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
     if q.dtype in _PACKED_FP4:
         _fp4_unsupported("q")
@@ -667,7 +661,6 @@ def fp8_paged_mqa_logits(
         is_1d, stride_cb, stride_cj = 1, context_lens.stride(0), 0
     else:
         if not (context_lens.dim() == 2 and context_lens.shape == (B, next_n)):
-
             _fail(f"context_lens must be [B={B}] or [B, next_n={next_n}], got "
                   f"{tuple(context_lens.shape)}")
         is_1d, stride_cb, stride_cj = 0, context_lens.stride(0), context_lens.stride(1)
@@ -820,8 +813,7 @@ def indexer_k_quant_and_cache_ref(k: torch.Tensor, kv_cache: torch.Tensor,
     vals = (kg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(_FP8).reshape(-1, D)
     blk, off = slots // block_size, slots % block_size
     flat = kv_cache.reshape(nb, -1) if kv_cache.is_contiguous() else None
-    if not (flat is not None):
-
+    if flat is None:
         _fail("indexer_k_quant_and_cache_ref needs a contiguous cache")
     val_idx = (off * D)[:, None] + torch.arange(D, device=k.device)[None, :]
     flat[blk[:, None], val_idx] = vals.view(torch.uint8)
