@@ -589,6 +589,9 @@ def main():
 
     writer = None
     for M, N in prefill_cases:
+        if time.time() > deadline:
+            lines.append(f"| prefill M={M} N={N} | skipped: --budget-s spent |" + " |" * 10)
+            continue
         try:
             emit(run_prefill(M, N, upstream, fb_prefill, args.reps, g))
         except Exception as e:  # noqa: BLE001
@@ -596,6 +599,10 @@ def main():
             lines.append(f"| prefill M={M} N={N} | failed: {_err(e)} |" + " |" * 10)
         _empty_cache()
     for B, ctx, nn in decode_cases:
+        if time.time() > deadline:
+            lines.append(f"| decode B={B} ctx={ctx} next_n={nn} | skipped: --budget-s spent |"
+                         + " |" * 10)
+            continue
         try:
             row = run_decode(B, ctx, nn, upstream, fb_decode, args.reps, g)
             writer = row.get("writer", writer)

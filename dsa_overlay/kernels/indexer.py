@@ -261,37 +261,40 @@ def _paged_mqa_logits_kernel(
     scale_base = block_size * D // 4
     stride_blk_f = stride_blk // 4
 
-    for _ in range(w_start, w_end):
+    # Walk the items request by request: per request, its query tile, weights, visible lengths
+    # and block-table row are loaded once, then a plain loop over its key tiles (which Triton
+    # software-pipelines: the block-table entries and the key/scale loads of later tiles are in
+    # flight while the current tile is multiplied).
+    todo = w_end - w_start
+    while todo > 0:
         vis = tl.load(cl_ptr + b * stride_cb + tok * stride_cj, mask=tok_ok, other=0) + vis_shift
         vis = tl.where(tok_ok, tl.minimum(vis, max_model_len), 0)
         kv_len = tl.max(vis, axis=0)
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + col_tok[:, None] * stride_qn
+        len_b = tl.where(clean != 0, max_model_len, kv_len)
+        t_end = tl.minimum(tl.maximum(tl.cdiv(len_b, BLOCK_N), 1), t + todo)
+        b64 = b.to(tl.int64)
+        q = tl.load(q_ptr + b64 * stride_qb + col_tok[:, None] * stride_qn
                     + col_head[:, None] * stride_qh + d[None, :], mask=col_ok[:, None], other=0.0)
         q = _dot_operand(q, DOT_MODE)
-        wrow = b.to(tl.int64) * next_n + col_tok
-        w = tl.load(w_ptr + wrow * stride_wm + col_head * stride_wh, mask=col_ok,
-                    other=0.0).to(tl.float32)
-
-        n = t * BLOCK_N + rn
-        n_ok = n < kv_len
-        phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + n // block_size, mask=n_ok,
-                       other=0).to(tl.int64)
-        off = n % block_size
-        k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
-                    mask=n_ok[:, None], other=0.0)
-        ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok, other=0.0)
-        logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
-        logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
-        orow = b.to(tl.int64) * next_n + tok
-        tl.store(out_ptr + orow[None, :] * stride_om + n[:, None], logits,
-                 mask=(n < max_model_len)[:, None] & tok_ok[None, :])
-
-        # Advance to the next item; every request owns at least one.
-        len_b = tl.where(clean != 0, max_model_len, kv_len)
-        t += 1
-        nxt = t >= tl.maximum(tl.cdiv(len_b, BLOCK_N), 1)
-        b = tl.where(nxt, b + 1, b)
-        t = tl.where(nxt, 0, t)
+        w = tl.load(w_ptr + (b64 * next_n + col_tok) * stride_wm + col_head * stride_wh,
+                    mask=col_ok, other=0.0).to(tl.float32)
+        bt_row = bt_ptr + b64 * stride_btb
+        out_row = out_ptr + ((b64 * next_n + tok) * stride_om)[None, :]
+        for tt in range(t, t_end):
+            n = tt * BLOCK_N + rn
+            n_ok = n < kv_len
+            phys = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
+            off = n % block_size
+            k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
+                        mask=n_ok[:, None], other=0.0)
+            ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok, other=0.0)
+            logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
+            logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
+            tl.store(out_row + n[:, None], logits,
+                     mask=(n < max_model_len)[:, None] & tok_ok[None, :])
+        todo -= t_end - t
+        b += 1
+        t = t * 0
 
 
 # --------------------------------------------------------------------------------------------------
