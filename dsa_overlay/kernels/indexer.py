@@ -211,7 +211,8 @@ def _paged_mqa_logits_kernel(
     stride_qb, stride_qn, stride_qh, stride_wm, stride_wh, stride_cb, stride_cj, stride_btb,
     stride_blk, stride_om,
     D: tl.constexpr, HP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr, SCALES_AHEAD: tl.constexpr = False, HOIST_Q: tl.constexpr = True,
+    NESTED: tl.constexpr = True,
 ):
     """Decode, persistent: work item = (request b, key tile t) for query tokens [j0, j0 + T) of b.
     Request b has max(1, cdiv(len_b, BLOCK_N)) items (len_b: the furthest position any of its
@@ -261,40 +262,100 @@ def _paged_mqa_logits_kernel(
     scale_base = block_size * D // 4
     stride_blk_f = stride_blk // 4
 
-    # Walk the items request by request: per request, its query tile, weights, visible lengths
-    # and block-table row are loaded once, then a plain loop over its key tiles (which Triton
-    # software-pipelines: the block-table entries and the key/scale loads of later tiles are in
-    # flight while the current tile is multiplied).
-    todo = w_end - w_start
-    while todo > 0:
-        vis = tl.load(cl_ptr + b * stride_cb + tok * stride_cj, mask=tok_ok, other=0) + vis_shift
-        vis = tl.where(tok_ok, tl.minimum(vis, max_model_len), 0)
-        kv_len = tl.max(vis, axis=0)
-        len_b = tl.where(clean != 0, max_model_len, kv_len)
-        t_end = tl.minimum(tl.maximum(tl.cdiv(len_b, BLOCK_N), 1), t + todo)
-        b64 = b.to(tl.int64)
-        q = tl.load(q_ptr + b64 * stride_qb + col_tok[:, None] * stride_qn
-                    + col_head[:, None] * stride_qh + d[None, :], mask=col_ok[:, None], other=0.0)
-        q = _dot_operand(q, DOT_MODE)
-        w = tl.load(w_ptr + (b64 * next_n + col_tok) * stride_wm + col_head * stride_wh,
-                    mask=col_ok, other=0.0).to(tl.float32)
-        bt_row = bt_ptr + b64 * stride_btb
-        out_row = out_ptr + ((b64 * next_n + tok) * stride_om)[None, :]
-        for tt in range(t, t_end):
-            n = tt * BLOCK_N + rn
+    if NESTED:
+        # Walk the items request by request: per request, its query tile, weights, visible lengths
+        # and block-table row are loaded once, then a plain loop over its key tiles (which Triton
+        # software-pipelines: the block-table entries and the key/scale loads of later tiles are in
+        # flight while the current tile is multiplied).
+        todo = w_end - w_start
+        while todo > 0:
+            vis = tl.load(cl_ptr + b * stride_cb + tok * stride_cj, mask=tok_ok, other=0) + vis_shift
+            vis = tl.where(tok_ok, tl.minimum(vis, max_model_len), 0)
+            kv_len = tl.max(vis, axis=0)
+            len_b = tl.where(clean != 0, max_model_len, kv_len)
+            t_end = tl.minimum(tl.maximum(tl.cdiv(len_b, BLOCK_N), 1), t + todo)
+            b64 = b.to(tl.int64)
+            q_ptrs = (q_ptr + b64 * stride_qb + col_tok[:, None] * stride_qn
+                      + col_head[:, None] * stride_qh + d[None, :])
+            if HOIST_Q:   # the query operand stays in registers for all of the request's tiles
+                q = _dot_operand(tl.load(q_ptrs, mask=col_ok[:, None], other=0.0), DOT_MODE)
+            w = tl.load(w_ptr + (b64 * next_n + col_tok) * stride_wm + col_head * stride_wh,
+                        mask=col_ok, other=0.0).to(tl.float32)
+            bt_row = bt_ptr + b64 * stride_btb
+            out_row = out_ptr + ((b64 * next_n + tok) * stride_om)[None, :]
+            if SCALES_AHEAD:
+                # Software prefetch of the per-key scales one tile ahead (block-table entries two
+                # ahead), so the scale load is off the critical path of the tile's epilogue.
+                n_a = t * BLOCK_N + rn
+                phys_a = tl.load(bt_row + n_a // block_size, mask=n_a < kv_len, other=0).to(tl.int64)
+                ksc_next = tl.load(kvs_ptr + phys_a * stride_blk_f + scale_base + n_a % block_size,
+                                   mask=n_a < kv_len, other=0.0)
+                n_a += BLOCK_N
+                phys_next = tl.load(bt_row + n_a // block_size, mask=n_a < kv_len,
+                                    other=0).to(tl.int64)
+            for tt in range(t, t_end):
+                n = tt * BLOCK_N + rn
+                n_ok = n < kv_len
+                phys = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
+                off = n % block_size
+                k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
+                            mask=n_ok[:, None], other=0.0)
+                if SCALES_AHEAD:
+                    ksc = ksc_next
+                    n1 = n + BLOCK_N
+                    ksc_next = tl.load(kvs_ptr + phys_next * stride_blk_f + scale_base
+                                       + n1 % block_size, mask=n1 < kv_len, other=0.0)
+                    n2 = n1 + BLOCK_N
+                    phys_next = tl.load(bt_row + n2 // block_size, mask=n2 < kv_len,
+                                        other=0).to(tl.int64)
+                else:
+                    ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok,
+                                  other=0.0)
+                if HOIST_Q:
+                    qd = q
+                else:         # sm_80/86: reloaded per tile (L1/L2 hit), registers go to the decoder
+                    qd = _dot_operand(tl.load(q_ptrs, mask=col_ok[:, None], other=0.0), DOT_MODE)
+                logits = _score_tile(k, qd, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
+                logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
+                tl.store(out_row + n[:, None], logits,
+                         mask=(n < max_model_len)[:, None] & tok_ok[None, :])
+            todo -= t_end - t
+            b += 1
+            t = t * 0
+    else:
+        # One work item per iteration (sm_80/86/89/120: the register profile the cross-compile
+        # test proves spill-free there).
+        for _ in range(w_start, w_end):
+            vis = tl.load(cl_ptr + b * stride_cb + tok * stride_cj, mask=tok_ok, other=0) + vis_shift
+            vis = tl.where(tok_ok, tl.minimum(vis, max_model_len), 0)
+            kv_len = tl.max(vis, axis=0)
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + col_tok[:, None] * stride_qn
+                        + col_head[:, None] * stride_qh + d[None, :], mask=col_ok[:, None], other=0.0)
+            q = _dot_operand(q, DOT_MODE)
+            wrow = b.to(tl.int64) * next_n + col_tok
+            w = tl.load(w_ptr + wrow * stride_wm + col_head * stride_wh, mask=col_ok,
+                        other=0.0).to(tl.float32)
+
+            n = t * BLOCK_N + rn
             n_ok = n < kv_len
-            phys = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
+            phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + n // block_size, mask=n_ok,
+                           other=0).to(tl.int64)
             off = n % block_size
             k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
                         mask=n_ok[:, None], other=0.0)
             ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok, other=0.0)
             logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
             logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
-            tl.store(out_row + n[:, None], logits,
+            orow = b.to(tl.int64) * next_n + tok
+            tl.store(out_ptr + orow[None, :] * stride_om + n[:, None], logits,
                      mask=(n < max_model_len)[:, None] & tok_ok[None, :])
-        todo -= t_end - t
-        b += 1
-        t = t * 0
+
+            # Advance to the next item; every request owns at least one.
+            len_b = tl.where(clean != 0, max_model_len, kv_len)
+            t += 1
+            nxt = t >= tl.maximum(tl.cdiv(len_b, BLOCK_N), 1)
+            b = tl.where(nxt, b + 1, b)
+            t = tl.where(nxt, 0, t)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,42 +386,87 @@ def _padded_heads(heads: int) -> int:
     return max(16, _next_pow2(heads))
 
 
+# Per-capability tile table.  sm_90 is measured (H200, vLLM 0.23.0, GLM-5 shapes: see
+# bench/bench_indexer.py and its --focus mode); the other targets keep the tiles the cross-compile
+# test proves spill-free, unmeasured.
+#   prefill: (MMA columns BT * HP, BLOCK_N, num_warps, num_stages)
+#   decode:  (max MMA columns T * HP, BLOCK_N small / large, num_warps, num_stages, programs per SM)
+_PREFILL_TABLE = {
+    "hopper": (256, 64, 4, 4),     # H200 sweep: 594.8 us vs 676.9 us (128/8 warps/3) at 4096 x 16384
+    "fp8": (128, 64, 8, 3),        # sm_89 / sm_120: mma.sync, 99 KB shared memory
+    "bf16": (128, 64, 8, 3),       # sm_80 / sm_86: e4m3 decoded in registers
+    "interp": (128, 64, 8, 3),
+}
+_DECODE_TABLE = {
+    "hopper": (256, 64, 128, 4, 3, 4),   # H200 sweep: BLOCK_N 128 387.6 us vs 537.7 us (B=128 ctx=64K)
+    "fp8": (128, 64, 64, 4, 3, 4),
+    "bf16": (64, 64, 64, 8, 3, 4),
+    "interp": (256, 64, 64, 4, 3, 4),
+}
+
+
+def _family(capability) -> str:
+    if capability is None:
+        return "interp"
+    if dot_mode_for_capability(capability) == DOT_BF16:
+        return "bf16"
+    return "hopper" if tuple(capability)[0] == 9 else "fp8"
+
+
 def prefill_config(capability, heads: int) -> dict:
     """Tile choice of the prefill kernel for a device of `capability` ((major, minor), or None for
     the interpreter) and `heads` index heads.  BT query tokens share each key tile, so one MMA is
     [BLOCK_N, D] x [D, BT * HP] with HP the padded head count (at most MAX_HEADS)."""
     hp = _padded_heads(heads)
-    hopper = capability is not None and tuple(capability)[0] == 9
-    cols = 256 if hopper else 128
-    return dict(HP=hp, BT=max(1, min(8, cols // hp)), BLOCK_N=128 if hopper else 64, num_warps=8,
-                num_stages=3, DOT_MODE=dot_mode_for_capability(capability))
+    cols, block_n, warps, stages = _PREFILL_TABLE[_family(capability)]
+    return dict(HP=hp, BT=max(1, min(8, cols // hp)), BLOCK_N=block_n, num_warps=warps,
+                num_stages=stages, DOT_MODE=dot_mode_for_capability(capability))
 
 
-def decode_config(capability, heads: int, next_n: int) -> dict:
+def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
+                  max_len: int | None = None, num_sms: int | None = None) -> dict:
     """Tile choice of the paged decode kernel: T query tokens of one request (1 or 2, what vLLM
     passes natively; a larger next_n runs as several launches of T tokens) against BLOCK_N cached
-    keys, with the requests' work counted BLOCK_B at a time."""
+    keys, with the requests' work counted BLOCK_B at a time, on `per_sm` * SMs persistent programs.
+
+    The key tile grows (fewer, larger tiles: less per-tile overhead, more bytes in flight) when the
+    batch could fill every program with large tiles: batch * cdiv(max_len, BLOCK_N_large) >=
+    programs.  The context lengths live on the GPU (CUDA graphs), so `max_len` is the launch's
+    max_model_len, an upper bound; batch=None picks the large tile."""
     hp = _padded_heads(heads)
-    mode = dot_mode_for_capability(capability)
-    hopper = capability is not None and tuple(capability)[0] == 9
+    fam = _family(capability)
+    max_cols, bn_small, bn_large, warps, stages, per_sm = _DECODE_TABLE[fam]
     # Register budget (no spills, checked by the cross-compile test): sm_80/86 decode e4m3 in
-    # registers, sm_89/120 keep the mma.sync accumulator there; Hopper's wgmma affords T * HP = 256.
-    max_cols = 64 if mode == DOT_BF16 else (256 if hopper or capability is None else 128)
+    # registers, sm_89/120 keep the mma.sync accumulator there; Hopper's wgmma affords more.
     t = max(1, min(_next_pow2(next_n), 2, max_cols // hp))
-    block_n = 32 if mode == DOT_BF16 and t * hp > 64 else 64
-    return dict(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, num_warps=8 if mode == DOT_BF16 else 4,
-                num_stages=3, DOT_MODE=mode)
+    block_n = 32 if fam == "bf16" and t * hp > 64 else bn_small
+    if bn_large > bn_small and block_n == bn_small and t * hp <= 128:
+        big_enough = (batch is None or max_len is None or num_sms is None
+                      or batch * -(-int(max_len) // bn_large) >= per_sm * num_sms)
+        block_n = bn_large if big_enough else block_n
+    # The per-request walk (q hoisted, pipelined tile loop) fits the registers only on sm_90 up to
+    # 128 MMA columns; elsewhere the flat one-item-per-iteration loop (spill-free, cross-compiled).
+    nested = fam == "interp" or (fam == "hopper" and t * hp <= 128)
+    return dict(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, num_warps=warps, num_stages=stages,
+                per_sm=per_sm, SCALES_AHEAD=False, HOIST_Q=nested, NESTED=nested,
+                DOT_MODE=dot_mode_for_capability(capability))
 
 
 def launch_configs(capability) -> list[tuple[str, dict]]:
     """Every (kernel name, config) the launchers can pick on `capability`: all head counts up to
-    MAX_HEADS and every next_n (next_n > 2 reuses T = 2).  Used by the cross-compile
-    test to check shared memory and spills per target."""
+    MAX_HEADS, every next_n (next_n > 2 reuses T = 2), small and large decode tiles, and on sm_89+
+    the scale-prefetching decode variant (SCALES_AHEAD, off by default until measured).  Used by the cross-compile test to check shared memory and spills."""
     out, seen = [], set()
     hp = 16
     while hp <= MAX_HEADS:
-        for name, cfg in [("prefill", prefill_config(capability, hp))] + [
-                ("decode", decode_config(capability, hp, n)) for n in (1, 2)]:
+        cands = [("prefill", prefill_config(capability, hp))]
+        for n in (1, 2):
+            for batch in (1, None):
+                cfg = decode_config(capability, hp, n, batch, 1, 1)
+                cands.append(("decode", cfg))
+                if cfg["NESTED"] and _family(capability) == "hopper":   # spills elsewhere
+                    cands.append(("decode", dict(cfg, SCALES_AHEAD=True)))
+        for name, cfg in cands:
             key = (name, tuple(sorted(cfg.items())))
             if key not in seen:
                 seen.add(key)
@@ -391,8 +497,8 @@ def _prefill_cfg(capability, heads):
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_cfg(capability, heads, next_n):
-    return decode_config(capability, heads, next_n)
+def _decode_cfg(capability, heads, next_n, batch, max_len, num_sms):
+    return decode_config(capability, heads, next_n, batch, max_len, num_sms)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -682,10 +788,10 @@ def fp8_paged_mqa_logits(
     if B == 0 or max_model_len == 0:
         return logits
     capability, num_sms = _device_info(q.device)
-    cfg = _decode_cfg(capability, H, next_n)
+    cfg = _decode_cfg(capability, H, next_n, B, max_model_len, num_sms)
     if _config:
         cfg = {**cfg, **_config}
-    programs = cfg.get("programs") or 4 * num_sms
+    programs = cfg.get("programs") or cfg["per_sm"] * num_sms
     t = cfg["T"]
     if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
         q = q.view(torch.uint8)   # sm_80/86 Triton has no e4m3 type: pass raw bytes
@@ -696,7 +802,9 @@ def fp8_paged_mqa_logits(
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
             stride_cb, stride_cj, block_tables.stride(0), stride_blk, logits.stride(0),
             D=D, HP=cfg["HP"], T=t, BLOCK_N=cfg["BLOCK_N"], BLOCK_B=cfg["BLOCK_B"],
-            DOT_MODE=cfg["DOT_MODE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            DOT_MODE=cfg["DOT_MODE"], SCALES_AHEAD=bool(cfg.get("SCALES_AHEAD", False)),
+            HOIST_Q=bool(cfg.get("HOIST_Q", True)), NESTED=bool(cfg.get("NESTED", True)),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return logits
 
