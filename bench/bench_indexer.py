@@ -536,6 +536,8 @@ FOCUS_PREFILL_VARIANTS = [
 FOCUS_DECODE_VARIANTS = [
     ("default", {}),
     ("run1 tile BN64 ps4", dict(BLOCK_N=64, num_warps=4, num_stages=3, per_sm=4)),
+    ("run1 flat loop BN128 ps4", dict(BLOCK_N=128, num_warps=4, num_stages=3, per_sm=4,
+                                      NESTED=False, HOIST_Q=False)),
     ("BN64 ps4 ahead", dict(BLOCK_N=64, num_warps=4, num_stages=3, per_sm=4, SCALES_AHEAD=True)),
     ("BN128 ps4", dict(BLOCK_N=128, num_warps=4, num_stages=3, per_sm=4)),
     ("BN128 ps4 ahead", dict(BLOCK_N=128, num_warps=4, num_stages=3, per_sm=4, SCALES_AHEAD=True)),
@@ -635,7 +637,7 @@ def run_focus(args, upstream, g, lines):
                 cfg["programs"] = cfg.pop("per_sm") * sms
             return ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, None, ctx, False,
                                              _config=cfg)
-        return (f"decode B={B} ctx={ctx // 1024}K next_n={nn}",
+        return (f"decode B={B} ctx={ctx} next_n={nn}",
                 lambda: upstream.decode(q, cache, w, cl, tables, meta, ctx)[:, :ctx],
                 our_call, rows, mask)
 
