@@ -206,18 +206,24 @@ def _request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift, 
 
 @triton.jit
 def _paged_mqa_logits_kernel(
-    q_ptr, kv_ptr, kvs_ptr, w_ptr, cl_ptr, bt_ptr, out_ptr,
+    q_ptr, kv_ptr, w_ptr, cl_ptr, bt_ptr, out_ptr,
     B, H, next_n, j0, max_model_len, is_1d, clean, block_size, num_programs,
     stride_qb, stride_qn, stride_qh, stride_wm, stride_wh, stride_cb, stride_cj, stride_btb,
     stride_blk, stride_om,
     D: tl.constexpr, HP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr, SCALES_AHEAD: tl.constexpr = False, HOIST_Q: tl.constexpr = True,
+    NESTED: tl.constexpr = True,
 ):
     """Decode, persistent: work item = (request b, key tile t) for query tokens [j0, j0 + T) of b.
     Request b has max(1, cdiv(len_b, BLOCK_N)) items (len_b: the furthest position any of its
     tokens sees, or max_model_len when cleaning); program p takes items
-    [p * total / P, (p + 1) * total / P) in request-major order."""
+    [p * total / P, (p + 1) * total / P) in request-major order.  kv_ptr is the uint8 cache."""
     pid = tl.program_id(0)
+    kvs_ptr = kv_ptr.to(tl.pointer_type(tl.float32))
+    if DOT_MODE % 2 == 0:   # DOT_FP8 / DOT_FP32 load e4m3 tiles; the others decode raw bytes
+        kvv_ptr = kv_ptr.to(tl.pointer_type(tl.float8e4nv))
+    else:
+        kvv_ptr = kv_ptr
     rt = tl.arange(0, T)
     tok = j0 + rt
     tok_ok = tok < next_n
@@ -256,37 +262,100 @@ def _paged_mqa_logits_kernel(
     scale_base = block_size * D // 4
     stride_blk_f = stride_blk // 4
 
-    for _ in range(w_start, w_end):
-        vis = tl.load(cl_ptr + b * stride_cb + tok * stride_cj, mask=tok_ok, other=0) + vis_shift
-        vis = tl.where(tok_ok, tl.minimum(vis, max_model_len), 0)
-        kv_len = tl.max(vis, axis=0)
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + col_tok[:, None] * stride_qn
-                    + col_head[:, None] * stride_qh + d[None, :], mask=col_ok[:, None], other=0.0)
-        q = _dot_operand(q, DOT_MODE)
-        wrow = b.to(tl.int64) * next_n + col_tok
-        w = tl.load(w_ptr + wrow * stride_wm + col_head * stride_wh, mask=col_ok,
-                    other=0.0).to(tl.float32)
+    if NESTED:
+        # Walk the items request by request: per request, its query tile, weights, visible lengths
+        # and block-table row are loaded once, then a plain loop over its key tiles (which Triton
+        # software-pipelines: the block-table entries and the key/scale loads of later tiles are in
+        # flight while the current tile is multiplied).
+        todo = w_end - w_start
+        while todo > 0:
+            vis = tl.load(cl_ptr + b * stride_cb + tok * stride_cj, mask=tok_ok, other=0) + vis_shift
+            vis = tl.where(tok_ok, tl.minimum(vis, max_model_len), 0)
+            kv_len = tl.max(vis, axis=0)
+            len_b = tl.where(clean != 0, max_model_len, kv_len)
+            t_end = tl.minimum(tl.maximum(tl.cdiv(len_b, BLOCK_N), 1), t + todo)
+            b64 = b.to(tl.int64)
+            q_ptrs = (q_ptr + b64 * stride_qb + col_tok[:, None] * stride_qn
+                      + col_head[:, None] * stride_qh + d[None, :])
+            if HOIST_Q:   # the query operand stays in registers for all of the request's tiles
+                q = _dot_operand(tl.load(q_ptrs, mask=col_ok[:, None], other=0.0), DOT_MODE)
+            w = tl.load(w_ptr + (b64 * next_n + col_tok) * stride_wm + col_head * stride_wh,
+                        mask=col_ok, other=0.0).to(tl.float32)
+            bt_row = bt_ptr + b64 * stride_btb
+            out_row = out_ptr + ((b64 * next_n + tok) * stride_om)[None, :]
+            if SCALES_AHEAD:
+                # Software prefetch of the per-key scales one tile ahead (block-table entries two
+                # ahead), so the scale load is off the critical path of the tile's epilogue.
+                n_a = t * BLOCK_N + rn
+                phys_a = tl.load(bt_row + n_a // block_size, mask=n_a < kv_len, other=0).to(tl.int64)
+                ksc_next = tl.load(kvs_ptr + phys_a * stride_blk_f + scale_base + n_a % block_size,
+                                   mask=n_a < kv_len, other=0.0)
+                n_a += BLOCK_N
+                phys_next = tl.load(bt_row + n_a // block_size, mask=n_a < kv_len,
+                                    other=0).to(tl.int64)
+            for tt in range(t, t_end):
+                n = tt * BLOCK_N + rn
+                n_ok = n < kv_len
+                phys = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
+                off = n % block_size
+                k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
+                            mask=n_ok[:, None], other=0.0)
+                if SCALES_AHEAD:
+                    ksc = ksc_next
+                    n1 = n + BLOCK_N
+                    ksc_next = tl.load(kvs_ptr + phys_next * stride_blk_f + scale_base
+                                       + n1 % block_size, mask=n1 < kv_len, other=0.0)
+                    n2 = n1 + BLOCK_N
+                    phys_next = tl.load(bt_row + n2 // block_size, mask=n2 < kv_len,
+                                        other=0).to(tl.int64)
+                else:
+                    ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok,
+                                  other=0.0)
+                if HOIST_Q:
+                    qd = q
+                else:         # sm_80/86: reloaded per tile (L1/L2 hit), registers go to the decoder
+                    qd = _dot_operand(tl.load(q_ptrs, mask=col_ok[:, None], other=0.0), DOT_MODE)
+                logits = _score_tile(k, qd, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
+                logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
+                tl.store(out_row + n[:, None], logits,
+                         mask=(n < max_model_len)[:, None] & tok_ok[None, :])
+            todo -= t_end - t
+            b += 1
+            t = t * 0
+    else:
+        # One work item per iteration (sm_80/86/89/120: the register profile the cross-compile
+        # test proves spill-free there).
+        for _ in range(w_start, w_end):
+            vis = tl.load(cl_ptr + b * stride_cb + tok * stride_cj, mask=tok_ok, other=0) + vis_shift
+            vis = tl.where(tok_ok, tl.minimum(vis, max_model_len), 0)
+            kv_len = tl.max(vis, axis=0)
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + col_tok[:, None] * stride_qn
+                        + col_head[:, None] * stride_qh + d[None, :], mask=col_ok[:, None], other=0.0)
+            q = _dot_operand(q, DOT_MODE)
+            wrow = b.to(tl.int64) * next_n + col_tok
+            w = tl.load(w_ptr + wrow * stride_wm + col_head * stride_wh, mask=col_ok,
+                        other=0.0).to(tl.float32)
 
-        n = t * BLOCK_N + rn
-        n_ok = n < kv_len
-        phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + n // block_size, mask=n_ok,
-                       other=0).to(tl.int64)
-        off = n % block_size
-        k = tl.load(kv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
-                    mask=n_ok[:, None], other=0.0)
-        ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok, other=0.0)
-        logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
-        logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
-        orow = b.to(tl.int64) * next_n + tok
-        tl.store(out_ptr + orow[None, :] * stride_om + n[:, None], logits,
-                 mask=(n < max_model_len)[:, None] & tok_ok[None, :])
+            n = t * BLOCK_N + rn
+            n_ok = n < kv_len
+            phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + n // block_size, mask=n_ok,
+                           other=0).to(tl.int64)
+            off = n % block_size
+            k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
+                        mask=n_ok[:, None], other=0.0)
+            ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok, other=0.0)
+            logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
+            logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
+            orow = b.to(tl.int64) * next_n + tok
+            tl.store(out_ptr + orow[None, :] * stride_om + n[:, None], logits,
+                     mask=(n < max_model_len)[:, None] & tok_ok[None, :])
 
-        # Advance to the next item; every request owns at least one.
-        len_b = tl.where(clean != 0, max_model_len, kv_len)
-        t += 1
-        nxt = t >= tl.maximum(tl.cdiv(len_b, BLOCK_N), 1)
-        b = tl.where(nxt, b + 1, b)
-        t = tl.where(nxt, 0, t)
+            # Advance to the next item; every request owns at least one.
+            len_b = tl.where(clean != 0, max_model_len, kv_len)
+            t += 1
+            nxt = t >= tl.maximum(tl.cdiv(len_b, BLOCK_N), 1)
+            b = tl.where(nxt, b + 1, b)
+            t = tl.where(nxt, 0, t)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,42 +386,87 @@ def _padded_heads(heads: int) -> int:
     return max(16, _next_pow2(heads))
 
 
+# Per-capability tile table.  sm_90 is measured (H200, vLLM 0.23.0, GLM-5 shapes: see
+# bench/bench_indexer.py and its --focus mode); the other targets keep the tiles the cross-compile
+# test proves spill-free, unmeasured.
+#   prefill: (MMA columns BT * HP, BLOCK_N, num_warps, num_stages)
+#   decode:  (max MMA columns T * HP, BLOCK_N small / large, num_warps, num_stages, programs per SM)
+_PREFILL_TABLE = {
+    "hopper": (256, 64, 4, 4),     # H200 sweep: 594.8 us vs 676.9 us (128/8 warps/3) at 4096 x 16384
+    "fp8": (128, 64, 8, 3),        # sm_89 / sm_120: mma.sync, 99 KB shared memory
+    "bf16": (128, 64, 8, 3),       # sm_80 / sm_86: e4m3 decoded in registers
+    "interp": (128, 64, 8, 3),
+}
+_DECODE_TABLE = {
+    "hopper": (256, 64, 128, 4, 3, 4),   # H200 sweep: BLOCK_N 128 387.6 us vs 537.7 us (B=128 ctx=64K)
+    "fp8": (128, 64, 64, 4, 3, 4),
+    "bf16": (64, 64, 64, 8, 3, 4),
+    "interp": (256, 64, 64, 4, 3, 4),
+}
+
+
+def _family(capability) -> str:
+    if capability is None:
+        return "interp"
+    if dot_mode_for_capability(capability) == DOT_BF16:
+        return "bf16"
+    return "hopper" if tuple(capability)[0] == 9 else "fp8"
+
+
 def prefill_config(capability, heads: int) -> dict:
     """Tile choice of the prefill kernel for a device of `capability` ((major, minor), or None for
     the interpreter) and `heads` index heads.  BT query tokens share each key tile, so one MMA is
     [BLOCK_N, D] x [D, BT * HP] with HP the padded head count (at most MAX_HEADS)."""
     hp = _padded_heads(heads)
-    hopper = capability is not None and tuple(capability)[0] == 9
-    cols = 256 if hopper else 128
-    return dict(HP=hp, BT=max(1, min(8, cols // hp)), BLOCK_N=128 if hopper else 64, num_warps=8,
-                num_stages=3, DOT_MODE=dot_mode_for_capability(capability))
+    cols, block_n, warps, stages = _PREFILL_TABLE[_family(capability)]
+    return dict(HP=hp, BT=max(1, min(8, cols // hp)), BLOCK_N=block_n, num_warps=warps,
+                num_stages=stages, DOT_MODE=dot_mode_for_capability(capability))
 
 
-def decode_config(capability, heads: int, next_n: int) -> dict:
+def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
+                  max_len: int | None = None, num_sms: int | None = None) -> dict:
     """Tile choice of the paged decode kernel: T query tokens of one request (1 or 2, what vLLM
     passes natively; a larger next_n runs as several launches of T tokens) against BLOCK_N cached
-    keys, with the requests' work counted BLOCK_B at a time."""
+    keys, with the requests' work counted BLOCK_B at a time, on `per_sm` * SMs persistent programs.
+
+    The key tile grows (fewer, larger tiles: less per-tile overhead, more bytes in flight) when the
+    batch could fill every program with large tiles: batch * cdiv(max_len, BLOCK_N_large) >=
+    programs.  The context lengths live on the GPU (CUDA graphs), so `max_len` is the launch's
+    max_model_len, an upper bound; batch=None picks the large tile."""
     hp = _padded_heads(heads)
-    mode = dot_mode_for_capability(capability)
-    hopper = capability is not None and tuple(capability)[0] == 9
+    fam = _family(capability)
+    max_cols, bn_small, bn_large, warps, stages, per_sm = _DECODE_TABLE[fam]
     # Register budget (no spills, checked by the cross-compile test): sm_80/86 decode e4m3 in
-    # registers, sm_89/120 keep the mma.sync accumulator there; Hopper's wgmma affords T * HP = 256.
-    max_cols = 64 if mode == DOT_BF16 else (256 if hopper or capability is None else 128)
+    # registers, sm_89/120 keep the mma.sync accumulator there; Hopper's wgmma affords more.
     t = max(1, min(_next_pow2(next_n), 2, max_cols // hp))
-    block_n = 32 if mode == DOT_BF16 and t * hp > 64 else 64
-    return dict(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, num_warps=8 if mode == DOT_BF16 else 4,
-                num_stages=3, DOT_MODE=mode)
+    block_n = 32 if fam == "bf16" and t * hp > 64 else bn_small
+    if bn_large > bn_small and block_n == bn_small and t * hp <= 128:
+        big_enough = (batch is None or max_len is None or num_sms is None
+                      or batch * -(-int(max_len) // bn_large) >= per_sm * num_sms)
+        block_n = bn_large if big_enough else block_n
+    # The per-request walk (q hoisted, pipelined tile loop) fits the registers only on sm_90 up to
+    # 128 MMA columns; elsewhere the flat one-item-per-iteration loop (spill-free, cross-compiled).
+    nested = fam == "interp" or (fam == "hopper" and t * hp <= 128)
+    return dict(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, num_warps=warps, num_stages=stages,
+                per_sm=per_sm, SCALES_AHEAD=False, HOIST_Q=nested, NESTED=nested,
+                DOT_MODE=dot_mode_for_capability(capability))
 
 
 def launch_configs(capability) -> list[tuple[str, dict]]:
     """Every (kernel name, config) the launchers can pick on `capability`: all head counts up to
-    MAX_HEADS and every next_n (next_n > 2 reuses T = 2).  Used by the cross-compile
-    test to check shared memory and spills per target."""
+    MAX_HEADS, every next_n (next_n > 2 reuses T = 2), small and large decode tiles, and on sm_89+
+    the scale-prefetching decode variant (SCALES_AHEAD, off by default until measured).  Used by the cross-compile test to check shared memory and spills."""
     out, seen = [], set()
     hp = 16
     while hp <= MAX_HEADS:
-        for name, cfg in [("prefill", prefill_config(capability, hp))] + [
-                ("decode", decode_config(capability, hp, n)) for n in (1, 2)]:
+        cands = [("prefill", prefill_config(capability, hp))]
+        for n in (1, 2):
+            for batch in (1, None):
+                cfg = decode_config(capability, hp, n, batch, 1, 1)
+                cands.append(("decode", cfg))
+                if cfg["NESTED"] and _family(capability) == "hopper":   # spills elsewhere
+                    cands.append(("decode", dict(cfg, SCALES_AHEAD=True)))
+        for name, cfg in cands:
             key = (name, tuple(sorted(cfg.items())))
             if key not in seen:
                 seen.add(key)
@@ -362,8 +476,9 @@ def launch_configs(capability) -> list[tuple[str, dict]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _cuda_info(device_index: int):
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor), props.multi_processor_count
 
 
 def _device_info(device: torch.device):
@@ -373,8 +488,17 @@ def _device_info(device: torch.device):
     if device.type != "cuda":
         _fail(f"tensors are on {device}; the Triton indexer needs CUDA tensors (or "
               "TRITON_INTERPRET=1 set before this module is imported, for CPU tests)")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index), _num_sms(index)
+    return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_cfg(capability, heads):
+    return prefill_config(capability, heads)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_cfg(capability, heads, next_n, batch, max_len, num_sms):
+    return decode_config(capability, heads, next_n, batch, max_len, num_sms)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -389,11 +513,6 @@ def _fail(msg: str):
     raise ValueError(f"dsa_overlay indexer: {msg}")
 
 
-def _check(cond: bool, msg: str):
-    if not cond:
-        _fail(msg)
-
-
 def _fp4_unsupported(what: str):
     raise NotImplementedError(
         f"dsa_overlay indexer: {what} is MXFP4; the Triton indexer implements the fp8 path only. "
@@ -403,16 +522,17 @@ def _fp4_unsupported(what: str):
 def _result(out, shape, device) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=torch.float32, device=device)
-    _check(tuple(out.shape) == tuple(shape) and out.dtype == torch.float32 and out.stride(1) == 1,
-           f"_out must be {list(shape)} float32 with contiguous rows, got {tuple(out.shape)} "
-           f"{out.dtype}")
+    if not (tuple(out.shape) == tuple(shape) and out.dtype == torch.float32 and out.stride(1) == 1):
+        _fail(f"_out must be {list(shape)} float32 with contiguous rows, got {tuple(out.shape)} "
+              f"{out.dtype}")
     return out
 
 
 def _unpack_q(q, name: str) -> torch.Tensor:
     """0.23.0 passes q as (values, scales_or_None); None scales means the fp8 path."""
     if isinstance(q, (tuple, list)):
-        _check(len(q) == 2, f"{name} must be (values, scales) or a tensor")
+        if len(q) != 2:
+            _fail(f"{name} must be (values, scales) or a tensor")
         values, scales = q
         if scales is not None or values.dtype in _PACKED_FP4:
             _fp4_unsupported(name)
@@ -459,23 +579,30 @@ def fp8_mqa_logits(
     benchmarks.
     """
     k, k_scales = kv
-    _check(q.dim() == 3, f"q must be [M, H, D], got shape {tuple(q.shape)}")
+    if q.dim() != 3:
+        _fail(f"q must be [M, H, D], got shape {tuple(q.shape)}")
     M, H, D = q.shape
-    _check(D == HEAD_DIM, f"q head dim must be {HEAD_DIM}, got {D}")
-    _check(1 <= H <= MAX_HEADS, f"q must have 1..{MAX_HEADS} index heads, got {H}")
+    if D != HEAD_DIM:
+        _fail(f"q head dim must be {HEAD_DIM}, got {D}")
+    if not (1 <= H <= MAX_HEADS):
+        _fail(f"q must have 1..{MAX_HEADS} index heads, got {H}")
     if q.dtype in _PACKED_FP4 or k.dtype in _PACKED_FP4:
         _fp4_unsupported("q" if q.dtype in _PACKED_FP4 else "kv")
-    _check(q.dtype == _FP8, f"q must be torch.float8_e4m3fn, got {q.dtype}")
-    _check(k.dtype == _FP8, f"kv[0] (k) must be torch.float8_e4m3fn, got {k.dtype}")
-    _check(k.dim() == 2 and k.shape[1] == D, f"kv[0] (k) must be [N, {D}], got {tuple(k.shape)}")
+    if q.dtype != _FP8:
+        _fail(f"q must be torch.float8_e4m3fn, got {q.dtype}")
+    if k.dtype != _FP8:
+        _fail(f"kv[0] (k) must be torch.float8_e4m3fn, got {k.dtype}")
+    if not (k.dim() == 2 and k.shape[1] == D):
+        _fail(f"kv[0] (k) must be [N, {D}], got {tuple(k.shape)}")
     N = k.shape[0]
     k_scales = k_scales.reshape(-1)
-    _check(k_scales.numel() == N and k_scales.dtype == torch.float32,
-           f"kv[1] (k_scales) must be [N={N}] float32, got {tuple(k_scales.shape)} {k_scales.dtype}")
-    _check(weights.shape == (M, H), f"weights must be [M={M}, H={H}], got {tuple(weights.shape)}")
-    _check(cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,),
-           f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
-           f"and {tuple(cu_seqlen_ke.shape)}")
+    if not (k_scales.numel() == N and k_scales.dtype == torch.float32):
+        _fail(f"kv[1] (k_scales) must be [N={N}] float32, got {tuple(k_scales.shape)} {k_scales.dtype}")
+    if weights.shape != (M, H):
+        _fail(f"weights must be [M={M}, H={H}], got {tuple(weights.shape)}")
+    if not (cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,)):
+        _fail(f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
+              f"and {tuple(cu_seqlen_ke.shape)}")
     if q.stride(2) != 1:
         q = q.contiguous()
     if k.stride(1) != 1:
@@ -488,8 +615,9 @@ def fp8_mqa_logits(
     if M == 0 or N == 0:
         return logits
     capability, num_sms = _device_info(q.device)
-    cfg = dict(prefill_config(capability, H))
-    cfg.update(_config or {})
+    cfg = _prefill_cfg(capability, H)
+    if _config:
+        cfg = {**cfg, **_config}
     bn, bt = cfg["BLOCK_N"], cfg["BT"]
     m_groups = triton.cdiv(M, bt)
     n_tiles = triton.cdiv(N, bn)
@@ -535,37 +663,47 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int,
                                   num_sms: int) -> torch.Tensor:
     """Scheduling metadata slot for `fp8_paged_mqa_logits` (DeepGEMM drop-in).
 
-    The Triton decode kernel balances its work itself, so this returns zeros of the shape vLLM's
-    metadata buffer has: [num_sms + 1, 2] int32 on context_lens' device.  `fp8_paged_mqa_logits`
-    ignores the value, so a stale or never-filled buffer is harmless.
+    Args:
+        context_lens: [B] or [B, next_n] int32 context lengths (only its device is used).
+        block_size: cache block size in tokens (unused).
+        num_sms: number of SMs vLLM sized its metadata buffer for.
+
+    Returns:
+        zeros [num_sms + 1, 2] int32 on context_lens' device: the shape of vLLM's
+        `scheduler_metadata_buffer`, which assigns this result in place.  The Triton decode kernel
+        balances its work itself and ignores the value, so a stale or never-filled buffer (vLLM
+        0.23.0 fills it only when DeepGEMM is installed) is harmless.
     """
     return torch.zeros((int(num_sms) + 1, 2), dtype=torch.int32, device=context_lens.device)
 
 
-def _split_paged_cache(kv_cache: torch.Tensor, D: int):
-    """(fp8 view, float32 view, block_size, bytes per block) of a paged indexer cache."""
-    _check(kv_cache.dtype == torch.uint8, f"kv_cache must be torch.uint8, got {kv_cache.dtype}")
+def _check_paged_cache(kv_cache: torch.Tensor, D: int):
+    """(block_size, bytes per block) of a paged indexer cache, after checking its layout."""
+    if kv_cache.dtype != torch.uint8:
+        _fail(f"kv_cache must be torch.uint8, got {kv_cache.dtype}")
     if kv_cache.dim() == 4:
-        _check(kv_cache.shape[2] == 1, f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], "
-               f"got {tuple(kv_cache.shape)}")
+        if kv_cache.shape[2] != 1:
+            _fail(f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], "
+                  f"got {tuple(kv_cache.shape)}")
         kv_cache = kv_cache.squeeze(2)
-    _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], got "
-           f"{tuple(kv_cache.shape)}")
+    if kv_cache.dim() != 3:
+        _fail(f"kv_cache must be [num_blocks, block_size, 1, {D + 4}], got "
+              f"{tuple(kv_cache.shape)}")
     nb, block_size, width = kv_cache.shape
     if width == D // 2 + D // 32:
         _fp4_unsupported("kv_cache")
-    _check(width == D + 4, f"kv_cache last dim must be D + 4 = {D + 4} (fp8 values + fp32 scale), "
-           f"got {width}")
-    _check(kv_cache.stride(2) == 1 and kv_cache.stride(1) == width,
-           f"kv_cache must be contiguous inside a block, got strides {kv_cache.stride()}")
+    if width != D + 4:
+        _fail(f"kv_cache last dim must be D + 4 = {D + 4} (fp8 values + fp32 scale), "
+              f"got {width}")
+    if not (kv_cache.stride(2) == 1 and kv_cache.stride(1) == width):
+        _fail(f"kv_cache must be contiguous inside a block, got strides {kv_cache.stride()}")
     stride_blk = kv_cache.stride(0)
-    _check(stride_blk % 16 == 0, f"kv_cache block stride must be a multiple of 16 bytes, got "
-           f"{stride_blk}")
-    _check(kv_cache.storage_offset() % 16 == 0, "kv_cache must start 16-byte aligned")
-    # Views over the whole storage from the tensor's first byte: fp8 values and fp32 scales.
-    span = (nb - 1) * stride_blk + block_size * width if nb > 0 else 0
-    flat = kv_cache.as_strided((span,), (1,))
-    return flat.view(_FP8), flat.view(torch.float32), block_size, stride_blk
+    if stride_blk % 16 != 0:
+        _fail(f"kv_cache block stride must be a multiple of 16 bytes, got "
+              f"{stride_blk}")
+    if kv_cache.data_ptr() % 16 != 0:
+        _fail("kv_cache must start 16-byte aligned")
+    return block_size, stride_blk
 
 
 def fp8_paged_mqa_logits(
@@ -611,31 +749,37 @@ def fp8_paged_mqa_logits(
     `_config` (tile overrides) and `_out` (a preallocated result) are for tests and benchmarks.
     """
     q = q_fp8
-    _check(q.dim() == 4, f"q_fp8 must be [B, next_n, H, D], got shape {tuple(q.shape)}")
+    if q.dim() != 4:
+        _fail(f"q_fp8 must be [B, next_n, H, D], got shape {tuple(q.shape)}")
     B, next_n, H, D = q.shape
-    _check(D == HEAD_DIM, f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
-    _check(1 <= H <= MAX_HEADS, f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
+    if D != HEAD_DIM:
+        _fail(f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
+    if not (1 <= H <= MAX_HEADS):
+        _fail(f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
     if q.dtype in _PACKED_FP4:
         _fp4_unsupported("q")
-    _check(q.dtype == _FP8, f"q_fp8 must be torch.float8_e4m3fn, got {q.dtype}")
-    kv8, kvf, block_size, stride_blk = _split_paged_cache(kv_cache_fp8, D)
-    _check(weights.shape == (B * next_n, H),
-           f"weights must be [B * next_n = {B * next_n}, H = {H}], got {tuple(weights.shape)}")
+    if q.dtype != _FP8:
+        _fail(f"q_fp8 must be torch.float8_e4m3fn, got {q.dtype}")
+    block_size, stride_blk = _check_paged_cache(kv_cache_fp8, D)
+    if weights.shape != (B * next_n, H):
+        _fail(f"weights must be [B * next_n = {B * next_n}, H = {H}], got {tuple(weights.shape)}")
     if context_lens.dim() == 1:
-        _check(context_lens.shape[0] == B, f"context_lens must be [B={B}] or [B, next_n], got "
-               f"{tuple(context_lens.shape)}")
+        if context_lens.shape[0] != B:
+            _fail(f"context_lens must be [B={B}] or [B, next_n], got "
+                  f"{tuple(context_lens.shape)}")
         is_1d, stride_cb, stride_cj = 1, context_lens.stride(0), 0
     else:
-        _check(context_lens.dim() == 2 and context_lens.shape == (B, next_n),
-               f"context_lens must be [B={B}] or [B, next_n={next_n}], got "
-               f"{tuple(context_lens.shape)}")
+        if not (context_lens.dim() == 2 and context_lens.shape == (B, next_n)):
+            _fail(f"context_lens must be [B={B}] or [B, next_n={next_n}], got "
+                  f"{tuple(context_lens.shape)}")
         is_1d, stride_cb, stride_cj = 0, context_lens.stride(0), context_lens.stride(1)
-    _check(context_lens.dtype == torch.int32, f"context_lens must be int32, got "
-           f"{context_lens.dtype}")
-    _check(block_tables.dim() == 2 and block_tables.shape[0] >= B
-           and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1,
-           f"block_tables must be [B={B}, max_blocks] int32 with contiguous rows, got "
-           f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    if context_lens.dtype != torch.int32:
+        _fail(f"context_lens must be int32, got "
+              f"{context_lens.dtype}")
+    if not (block_tables.dim() == 2 and block_tables.shape[0] >= B
+           and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1):
+        _fail(f"block_tables must be [B={B}, max_blocks] int32 with contiguous rows, got "
+              f"{tuple(block_tables.shape)} {block_tables.dtype}")
     if q.stride(3) != 1:
         q = q.contiguous()
     max_model_len = int(max_model_len)
@@ -644,20 +788,23 @@ def fp8_paged_mqa_logits(
     if B == 0 or max_model_len == 0:
         return logits
     capability, num_sms = _device_info(q.device)
-    cfg = dict(decode_config(capability, H, next_n))
-    cfg.update(_config or {})
-    programs = cfg.get("programs") or 4 * num_sms
+    cfg = _decode_cfg(capability, H, next_n, B, max_model_len, num_sms)
+    if _config:
+        cfg = {**cfg, **_config}
+    programs = cfg.get("programs") or cfg["per_sm"] * num_sms
     t = cfg["T"]
     if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
-        q, kv8 = q.view(torch.uint8), kv8.view(torch.uint8)
+        q = q.view(torch.uint8)   # sm_80/86 Triton has no e4m3 type: pass raw bytes
     for j0 in range(0, next_n, t):
         _paged_mqa_logits_kernel[(programs,)](
-            q, kv8, kvf, weights, context_lens, block_tables, logits,
+            q, kv_cache_fp8, weights, context_lens, block_tables, logits,
             B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
             stride_cb, stride_cj, block_tables.stride(0), stride_blk, logits.stride(0),
             D=D, HP=cfg["HP"], T=t, BLOCK_N=cfg["BLOCK_N"], BLOCK_B=cfg["BLOCK_B"],
-            DOT_MODE=cfg["DOT_MODE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            DOT_MODE=cfg["DOT_MODE"], SCALES_AHEAD=bool(cfg.get("SCALES_AHEAD", False)),
+            HOIST_Q=bool(cfg.get("HOIST_Q", True)), NESTED=bool(cfg.get("NESTED", True)),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return logits
 
@@ -689,8 +836,9 @@ def fp8_fp4_paged_mqa_logits(
 
 
 def fp8_mqa_logits_ref(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke) -> torch.Tensor:
-    """Plain torch `fp8_mqa_logits` with clean_logits=True semantics: [M, N] float32, -inf outside
-    [ks[m], ke[m]).  Computed in float64, relu applied to scale * dot (the textbook form)."""
+    """Plain torch `fp8_mqa_logits` (same arguments) with clean_logits=True semantics: [M, N]
+    float32, -inf outside [ks[m], ke[m]).  Computed in float64 with the ReLU applied to
+    scale * dot (the textbook form), so it also checks the kernel's scale-after-ReLU order."""
     k, ks = kv
     qd = q.to(torch.float64)
     kd = k.to(torch.float64) * ks.reshape(-1, 1).to(torch.float64)
@@ -704,18 +852,21 @@ def fp8_mqa_logits_ref(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke) -> torch.Tens
 def _read_paged_cache(kv_cache: torch.Tensor, D: int = HEAD_DIM):
     """(values [num_blocks, block_size, D] float8_e4m3fn, scales [num_blocks, block_size] float32):
     views of the paged cache in vLLM's block layout (no copy)."""
-    kv8, kvf, block_size, stride_blk = _split_paged_cache(kv_cache, D)
+    block_size, stride_blk = _check_paged_cache(kv_cache, D)
     nb = kv_cache.shape[0]
-    vals = torch.as_strided(kv8, (nb, block_size, D), (stride_blk, D, 1))
-    scales = torch.as_strided(kvf, (nb, block_size), (stride_blk // 4, 1),
-                              storage_offset=kvf.storage_offset() + block_size * D // 4)
+    flat = kv_cache.as_strided(((nb - 1) * stride_blk + block_size * (D + 4),), (1,))
+    vals = torch.as_strided(flat.view(_FP8), (nb, block_size, D), (stride_blk, D, 1))
+    f32 = flat.view(torch.float32)
+    scales = torch.as_strided(f32, (nb, block_size), (stride_blk // 4, 1),
+                              storage_offset=f32.storage_offset() + block_size * D // 4)
     return vals, scales
 
 
 def fp8_paged_mqa_logits_ref(q, kv_cache, weights, context_lens, block_tables,
                              max_model_len) -> torch.Tensor:
-    """Plain torch `fp8_paged_mqa_logits` with clean_logits=True semantics:
-    [B * next_n, max_model_len] float32, -inf where a token does not see the key.  float64 math."""
+    """Plain torch `fp8_paged_mqa_logits` (same arguments, no schedule metadata) with
+    clean_logits=True semantics: [B * next_n, max_model_len] float32, -inf where a token does not
+    see the key.  Reads the cache through vLLM's block layout, one request at a time; float64."""
     B, next_n, H, D = q.shape
     vals, scales = _read_paged_cache(kv_cache, D)
     block_size = vals.shape[1]
@@ -773,7 +924,8 @@ def indexer_k_quant_and_cache_ref(k: torch.Tensor, kv_cache: torch.Tensor,
     vals = (kg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(_FP8).reshape(-1, D)
     blk, off = slots // block_size, slots % block_size
     flat = kv_cache.reshape(nb, -1) if kv_cache.is_contiguous() else None
-    _check(flat is not None, "indexer_k_quant_and_cache_ref needs a contiguous cache")
+    if flat is None:
+        _fail("indexer_k_quant_and_cache_ref needs a contiguous cache")
     val_idx = (off * D)[:, None] + torch.arange(D, device=k.device)[None, :]
     flat[blk[:, None], val_idx] = vals.view(torch.uint8)
     scale_bytes = scale.contiguous().view(torch.uint8).reshape(-1, groups * 4)

@@ -295,10 +295,17 @@ def _paged_bound(q, cache, w, tables, max_model_len):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cfg", [dict(programs=1), dict(programs=53), dict(BLOCK_B=16),
-                                 dict(BLOCK_N=16, programs=5), dict(T=1)])
+                                 dict(BLOCK_N=16, programs=5), dict(T=1),
+                                 dict(SCALES_AHEAD=True, BLOCK_N=16, programs=7),
+                                 dict(SCALES_AHEAD=True, BLOCK_N=32, programs=1),
+                                 dict(HOIST_Q=False, programs=3),
+                                 dict(NESTED=False, BLOCK_N=16, programs=5),
+                                 dict(NESTED=False, programs=53)])
 def test_paged_work_split_and_dot_modes(mode, cfg):
     """One program doing everything, more programs than work items, the request count walked in
-    chunks smaller than the batch, small tiles, and next_n split over launches."""
+    chunks smaller than the batch, small tiles, next_n split over launches, the scales
+    prefetched a tile ahead (programs whose items span several requests), the query reloaded per
+    tile, and the flat one-item-per-iteration walk (sm_80/86/89/120's)."""
     lens = [45, 0, 3, 130, 64, 1, 77, 16, 2, 0, 90, 33, 18, 61, 8, 49, 20]
     q, cache, w, cl, tables = _paged_case(21, len(lens), 2, 4, 16, lens)
     ref = ix.fp8_paged_mqa_logits_ref(q, cache, w, cl, tables, 140)

@@ -47,8 +47,10 @@ def _signature(fn, dot_mode: int, fp8_mode: int):
             sig[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            if name in ("q_ptr", "k_ptr", "kv_ptr"):
+            if name in ("q_ptr", "k_ptr"):
                 sig[name] = "*fp8e4nv" if dot_mode == fp8_mode else "*u8"
+            elif name == "kv_ptr":       # the uint8 paged cache, reinterpreted inside the kernel
+                sig[name] = "*u8"
             elif name in ("kstart_ptr", "kend_ptr", "cl_ptr", "bt_ptr"):
                 sig[name] = "*i32"
             else:
