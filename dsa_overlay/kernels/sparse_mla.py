@@ -283,33 +283,51 @@ class SparseMLAConfig:
         return cls(*(int(g) for g in m.groups()))
 
 
-# Tile table: (capability class, kv format, head bucket) -> (block_h, block_n, num_warps, num_stages).
-# Every entry is cross-compiled for its targets by tests/kernels/test_sparse_mla_xcompile.py, which
-# asserts the shared-memory limit and zero register spills (ptxas -v). Capability classes:
-#   "sm90": Hopper, 227 KB shared memory per block;  "sm80": A100, 163 KB;
+# Tile tables. A tile is (block_h, block_n, num_warps, num_stages) plus the number of programs per SM the
+# split rule aims for (2 for 4-warp tiles that fit twice on an SM, else 1). Every tile is cross-compiled
+# for its targets by tests/kernels/test_sparse_mla_xcompile.py (shared-memory limit, zero ptxas spills).
+# Capability classes: "sm90": Hopper, 227 KB shared memory per block; "sm80": A100, 163 KB;
 #   "sm8x": sm_86 / sm_89 / sm_120 (consumer and workstation parts, DGX Spark), 99 KB.
 # Measured there (Triton 3.6): BLOCK_H=64 with fp8 dequantisation spills on every mma.sync target
 # (sm_80/86/89/120), so those use two 32-head groups; BLOCK_H=64 x BLOCK_N=32 bf16 spills on sm_8x.
-_TILE_TABLE: dict[tuple[str, str, int], tuple[int, int, int, int]] = {
-    ("sm90", "bf16", 16): (16, 64, 8, 2),
-    ("sm90", "bf16", 32): (32, 64, 8, 2),
-    ("sm90", "bf16", 64): (64, 32, 8, 2),
-    ("sm90", "fp8_ds_mla", 16): (16, 64, 8, 2),
-    ("sm90", "fp8_ds_mla", 32): (32, 32, 8, 2),
+#
+# Two regimes (choose_config):
+#   latency    - few (token, 16-head) rows (<= sm_count / 8): 16-head tiles, the top-k split into many
+#                short splits, one program per SM (_LATENCY_TILE);
+#   throughput - otherwise: the head bucket's tile (_TILE_TABLE), split only until the programs fill
+#                programs_per_sm x sm_count.
+# sm90 entries are the H200 sweep's fastest (bench/results/h200-sparse_mla-run1.md, Triton 3.6):
+#   latency h16n64w8p2 (bf16/fp8, T=1 H=8..128 and T=8 H<=16: 12.9-20.4 us, best or within 4%);
+#   H<=16: bf16 h16n64w4p2, fp8 h16n32w4p2 at two programs per SM (T=32/128: best);
+#   H>16: h64n64w8p3 at one program per SM (T=8..128 and prefill, both formats: best).
+_LATENCY_TILE: dict[tuple[str, str], tuple[tuple[int, int, int, int], int]] = {
+    ("sm90", "bf16"): ((16, 64, 8, 2), 1),
+    ("sm90", "fp8_ds_mla"): ((16, 64, 8, 2), 1),
+    ("sm80", "bf16"): ((16, 64, 4, 2), 1),  # (16, 64, 8, 2) spills 4 B with Triton 3.5
+    ("sm80", "fp8_ds_mla"): ((16, 64, 8, 2), 1),
+    ("sm8x", "bf16"): ((16, 32, 4, 2), 1),  # (16, 32, 8, 2) spills 4 B on sm_120 (ptxas 12.9: 128 regs)
+    ("sm8x", "fp8_ds_mla"): ((16, 32, 8, 2), 1),
+}
+_TILE_TABLE: dict[tuple[str, str, int], tuple[tuple[int, int, int, int], int]] = {
+    ("sm90", "bf16", 16): ((16, 64, 4, 2), 2),
+    ("sm90", "bf16", 32): ((32, 64, 8, 2), 1),
+    ("sm90", "bf16", 64): ((64, 64, 8, 3), 1),
+    ("sm90", "fp8_ds_mla", 16): ((16, 32, 4, 2), 2),
+    ("sm90", "fp8_ds_mla", 32): ((32, 32, 8, 2), 1),
     # Triton 3.5 spills 130+ B with 64 heads x fp8 dequantisation on sm_90; 3.6 does not.
-    ("sm90", "fp8_ds_mla", 64): (64, 32, 8, 2) if _TRITON_VERSION >= (3, 6) else (32, 32, 8, 2),
-    ("sm80", "bf16", 16): (16, 64, 4, 2),  # (16, 64, 8, 2) spills 4 B with Triton 3.5
-    ("sm80", "bf16", 32): (32, 64, 8, 2),
-    ("sm80", "bf16", 64): (64, 16, 8, 2),
-    ("sm80", "fp8_ds_mla", 16): (16, 64, 8, 2),
-    ("sm80", "fp8_ds_mla", 32): (32, 32, 8, 2),
-    ("sm80", "fp8_ds_mla", 64): (32, 32, 8, 2),
-    ("sm8x", "bf16", 16): (16, 32, 4, 2),  # (16, 32, 8, 2) spills 4 B on sm_120 (ptxas 12.9 caps it at 128 regs)
-    ("sm8x", "bf16", 32): (32, 32, 8, 2),
-    ("sm8x", "bf16", 64): (64, 16, 8, 2),
-    ("sm8x", "fp8_ds_mla", 16): (16, 32, 8, 2),
-    ("sm8x", "fp8_ds_mla", 32): (32, 32, 8, 2),
-    ("sm8x", "fp8_ds_mla", 64): (32, 32, 8, 2),
+    ("sm90", "fp8_ds_mla", 64): ((64, 64, 8, 3), 1) if _TRITON_VERSION >= (3, 6) else ((32, 32, 8, 2), 1),
+    ("sm80", "bf16", 16): ((16, 64, 4, 2), 1),
+    ("sm80", "bf16", 32): ((32, 64, 8, 2), 1),
+    ("sm80", "bf16", 64): ((64, 16, 8, 2), 1),
+    ("sm80", "fp8_ds_mla", 16): ((16, 64, 8, 2), 1),
+    ("sm80", "fp8_ds_mla", 32): ((32, 32, 8, 2), 1),
+    ("sm80", "fp8_ds_mla", 64): ((32, 32, 8, 2), 1),
+    ("sm8x", "bf16", 16): ((16, 32, 4, 2), 1),
+    ("sm8x", "bf16", 32): ((32, 32, 8, 2), 1),
+    ("sm8x", "bf16", 64): ((64, 16, 8, 2), 1),
+    ("sm8x", "fp8_ds_mla", 16): ((16, 32, 8, 2), 1),
+    ("sm8x", "fp8_ds_mla", 32): ((32, 32, 8, 2), 1),
+    ("sm8x", "fp8_ds_mla", 64): ((32, 32, 8, 2), 1),
 }
 
 
@@ -329,21 +347,29 @@ def _head_bucket(num_heads: int) -> int:
 def candidate_tiles(capability: tuple[int, int], kv_format: str) -> list[tuple[int, int, int, int]]:
     """Every (block_h, block_n, num_warps, num_stages) :func:`choose_config` can return for a target."""
     cls_ = _capability_class(capability)
-    return sorted({v for (c, f, _), v in _TILE_TABLE.items() if c == cls_ and f == kv_format})
+    tiles = {v[0] for (c, f, _), v in _TILE_TABLE.items() if c == cls_ and f == kv_format}
+    tiles.add(_LATENCY_TILE[(cls_, kv_format)][0])
+    return sorted(tiles)
 
 
 def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "bf16", *,
                   sm_count: int = 132, capability: tuple[int, int] = (9, 0)) -> SparseMLAConfig:
     """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes).
 
-    Tiles come from a per-capability table (by head bucket). When (tokens x head groups) programs do not
-    fill one wave of SMs, the top-k list is split until they do (at most one split per BLOCK_N tile);
-    partial results are merged by lse in a second kernel.
+    Latency regime (T x ceil(H / 16) <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16): the
+    16-head latency tile. Otherwise the head bucket's throughput tile. Then the top-k list is split so
+    that T x head groups x splits fills the tile's programs-per-SM x sm_count (waves over the SMs), at
+    most one split per BLOCK_N tile and never an empty split; splits are merged by lse in a second kernel.
     """
-    bh, bn, nw, ns = _TILE_TABLE[(_capability_class(capability), kv_format, _head_bucket(num_heads))]
-    programs = max(1, num_tokens) * triton.cdiv(num_heads, bh)
+    cls_ = _capability_class(capability)
+    T = max(1, num_tokens)
+    if T * triton.cdiv(num_heads, 16) <= max(1, sm_count // 8):
+        (bh, bn, nw, ns), per_sm = _LATENCY_TILE[(cls_, kv_format)]
+    else:
+        (bh, bn, nw, ns), per_sm = _TILE_TABLE[(cls_, kv_format, _head_bucket(num_heads))]
+    rows = T * triton.cdiv(num_heads, bh)
     n_tiles = triton.cdiv(max(topk, 1), bn)
-    splits = 1 if programs >= sm_count else max(1, min(n_tiles, sm_count // programs))
+    splits = max(1, min(n_tiles, (per_sm * sm_count) // rows))
     # Re-derive from the split length so that no split is empty.
     split_len = triton.cdiv(triton.cdiv(topk, splits), bn) * bn
     splits = triton.cdiv(topk, split_len)
