@@ -53,6 +53,10 @@ FP8_TILE = 128  # fp8_ds_mla quantisation tile (one float32 scale per 128 values
 FP8_DS_MLA_BYTES = KV_LORA_RANK + 4 * (KV_LORA_RANK // FP8_TILE) + 2 * ROPE_DIM  # 512 + 16 + 128 = 656
 KV_FORMATS = ("bf16", "fp8_ds_mla")
 
+# Split merge: CHUNK_S splits x BLOCK_D columns per program and loop step (32 x 128 fp32: 32 registers a
+# thread at 4 warps); the heuristic never emits more than 32 splits at the top-k of 2048 (BLOCK_N 64).
+_COMBINE_CHUNK_S = 32
+_COMBINE_BLOCK_D = 128
 _TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -252,41 +256,45 @@ def _sparse_mla_combine_kernel(
     po_ptr, plse_ptr, out_ptr, lse_ptr,
     H, num_splits,
     stride_ot, stride_oh, stride_lt, stride_lh,
-    CHUNK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge the num_splits normalised partials of one (token, head) row by their lse.
+    """Merge the num_splits normalised partials of one (token, head) row by their lse, for BLOCK_D of the
+    512 output columns (program axis 1).
 
-    Splits are read CHUNK_S at a time ([CHUNK_S, 512] tiles, so the loads of a chunk are in flight
-    together); CHUNK_S is fixed, so a new split count never recompiles."""
+    One pass with an online max: each chunk of CHUNK_S splits loads its lse values and its [CHUNK_S,
+    BLOCK_D] partial tile together (independent loads, one memory round trip per chunk; with the
+    heuristic's split counts, <= CHUNK_S, a single chunk). CHUNK_S is fixed, so a new split count never
+    recompiles. Every split's partial is written by the forward kernel (zeros for an empty split, whose
+    lse is -inf and weight 0)."""
     pid = tl.program_id(0)
+    pd = tl.program_id(1)
     t = pid // H
     h = pid % H
     base = pid.to(tl.int64) * num_splits
     offs_c = tl.arange(0, CHUNK_S)
-    lmax = tl.full([CHUNK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, CHUNK_S):
-        ls = tl.load(plse_ptr + base + s0 + offs_c, mask=s0 + offs_c < num_splits, other=float("-inf"))
-        lmax = tl.maximum(lmax, ls)
-    m = tl.max(lmax, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    d = tl.arange(0, 512)
-    acc = tl.zeros([512], dtype=tl.float32)
-    wsum = tl.zeros([CHUNK_S], dtype=tl.float32)
+    d = pd * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = tl.max(tl.full([CHUNK_S], float("-inf"), dtype=tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    wsum = tl.sum(tl.zeros([CHUNK_S], dtype=tl.float32), 0)
     for s0 in range(0, num_splits, CHUNK_S):
         smask = s0 + offs_c < num_splits
         ls = tl.load(plse_ptr + base + s0 + offs_c, mask=smask, other=float("-inf"))
+        o = tl.load(po_ptr + (base + s0 + offs_c)[:, None] * 512 + d[None, :], mask=smask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(ls, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid -inf - -inf
+        alpha = tl.exp(m - m_use)  # 0 while m is -inf
         w = tl.exp(ls - m_use)  # 0 for an empty split (lse -inf) and for masked lanes
-        o = tl.load(po_ptr + (base + s0 + offs_c)[:, None] * 512 + d[None, :],
-                    mask=(smask & (w > 0.0))[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-        wsum += w
-    total = tl.sum(wsum, 0)
-    has = total > 0.0
-    res = acc * tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
-    lse = tl.where(has, m_use + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        wsum = wsum * alpha + tl.sum(w, 0)
+        m = m_new
+    has = wsum > 0.0
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    res = acc * tl.where(has, 1.0 / tl.where(has, wsum, 1.0), 0.0)
+    lse = tl.where(has, m_use + tl.log(tl.where(has, wsum, 1.0)), float("-inf"))
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d,
              res.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h.to(tl.int64) * stride_lh, lse)
+    if pd == 0:
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h.to(tl.int64) * stride_lh, lse)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -630,10 +638,10 @@ def sparse_mla_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _sparse_mla_combine_kernel[(T * H,)](
+        _sparse_mla_combine_kernel[(T * H, KV_LORA_RANK // _COMBINE_BLOCK_D)](
             po, plse, out, lse, H, num_splits,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            CHUNK_S=8, num_warps=4,
+            CHUNK_S=_COMBINE_CHUNK_S, BLOCK_D=_COMBINE_BLOCK_D, num_warps=4,
         )
     return out, lse
 

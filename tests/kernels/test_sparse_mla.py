@@ -224,7 +224,8 @@ CASES = [
     (8, "fp8_ds_mla", 5, 130, 2, 16, "h16n32s4w4p2"),
     (9, "fp8_ds_mla", 16, 37, 2, 1, None),
     (10, "fp8_ds_mla", 33, 64, 1, 64, "h32n16s2w8p2"),
-    (11, "bf16", 3, 200, 2, 16, "h16n16s13w4p2"),  # more splits than one merge chunk (8)
+    (11, "bf16", 3, 200, 2, 16, "h16n16s13w4p2"),
+    (18, "bf16", 2, 700, 2, 16, "h16n16s40w4p2"),  # more splits than one merge chunk (32)
     (12, "fp8_ds_mla", 2, 300, 1, 64, "h16n16s19w4p2"),
     # value-dimension split (two programs per row) and fp8 scales applied after the dots
     (13, "bf16", 19, 70, 2, 16, "h16n32s2w4p2d2"),
@@ -420,3 +421,19 @@ def test_config_strings_round_trip():
     assert str(M.SparseMLAConfig(64, 64, 1, 8, 3, 2, True)) == "h64n64s1w8p3d2f"
     with pytest.raises(ValueError):
         M.SparseMLAConfig.from_string("h64n64s1w8")
+
+
+@pytest.mark.parametrize("fmt", M.KV_FORMATS)
+def test_merge_when_a_whole_first_chunk_of_splits_is_empty(fmt):
+    """The split merge runs an online max over chunks of 32 splits: chunk 0 all empty, work after it."""
+    r = random.Random(9)
+    g = torch.Generator().manual_seed(9)
+    cache, _ = make_cache(g, 3, 64, fmt)
+    T, H, topk = 2, 3, 16 * 40
+    q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16)
+    idx = draw_indices(r, T, topk, 192)
+    idx[0, :16 * 33] = -1  # token 0: splits 0..32 empty (all of chunk 0 and one of chunk 1)
+    idx[1, 16 * 32:] = 10 ** 6  # token 1: only chunk 0 has work
+    out, lse = run_poisoned(q, cache, idx, 0.1, fmt, config=M.SparseMLAConfig(16, 16, 40, 4, 2))
+    ro, rl = M.sparse_mla_reference(q, cache, idx, 0.1, fmt)
+    check_against(out, lse, ro, rl)
