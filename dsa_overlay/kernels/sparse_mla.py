@@ -19,7 +19,13 @@ of ``tl.dot`` (padded to BLOCK_H >= 16 with masks, never by the caller), BLOCK_N
 Q.K^T) and K (for P.V); the 512-wide nope part is handled as four 128-wide tiles, which is also the fp8
 quantisation tile, so dequantisation (uint8 -> float8e4nv -> x per-row tile scale) happens in registers
 right after the gather. Online softmax runs in fp32 with exp2. With ``num_splits > 1`` every split writes
-a normalised fp32 partial output and its lse, and a second small kernel merges the splits by lse.
+a normalised fp32 partial output and its lse, and a second small kernel merges the splits by lse (one
+pass with an online max, 32 splits x 128 columns per program and step).
+Two constexpr variants, chosen per table tile (SparseMLAConfig): ``dv_split=2`` gives each row's 512 output
+columns to two programs (each recomputes the 576-wide scores; half the fp32 accumulator), and
+``fp8_post_scale`` applies the fp8 tile scales to the [heads, rows] scores and to P instead of to the
+[rows, 512] tile. Both are correct everywhere (interpreter tests); whether they are faster is for the
+H200 benchmark (``bench/bench_sparse_mla.py --focus``) to say, so the sm_90 table does not use them yet.
 
 Tile sizes are constexprs picked per launch by :func:`choose_config` from (T, H, topk, SM count,
 capability); the number of splits is a runtime argument, so a new batch size never recompiles.
@@ -413,9 +419,11 @@ _TILE_TABLE: dict[tuple[str, str, int], tuple[tuple, int]] = {
 # Under Triton 3.5 (vLLM 0.16.0) the 64-head variants here spill 16-156 B on sm_90 (the table tiles do
 # not): a variant promoted to _TILE_TABLE needs a Triton-3.5 fallback like the bucket-64 entries.
 FOCUS_TILES: dict[str, list[tuple]] = {
-    "bf16": [(64, 64, 8, 3, 2, False), (64, 32, 8, 5, 1, False), (64, 32, 8, 4, 2, False)],
+    "bf16": [(64, 64, 8, 3, 2, False), (64, 32, 8, 5, 1, False), (64, 32, 8, 4, 2, False),
+             (16, 32, 4, 3, 1, False)],
     # fp8_post_scale with 64 heads (n64p3, d1 and d2) and with h16n32w4 spills on sm_90 (Triton 3.6).
-    "fp8_ds_mla": [(16, 64, 8, 2, 1, True), (64, 64, 8, 3, 2, False), (64, 32, 8, 5, 1, False)],
+    "fp8_ds_mla": [(16, 64, 8, 2, 1, True), (64, 64, 8, 3, 2, False), (64, 32, 8, 5, 1, False),
+                   (16, 32, 4, 3, 1, False)],
 }
 
 
