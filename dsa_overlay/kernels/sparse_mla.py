@@ -19,7 +19,13 @@ of ``tl.dot`` (padded to BLOCK_H >= 16 with masks, never by the caller), BLOCK_N
 Q.K^T) and K (for P.V); the 512-wide nope part is handled as four 128-wide tiles, which is also the fp8
 quantisation tile, so dequantisation (uint8 -> float8e4nv -> x per-row tile scale) happens in registers
 right after the gather. Online softmax runs in fp32 with exp2. With ``num_splits > 1`` every split writes
-a normalised fp32 partial output and its lse, and a second small kernel merges the splits by lse.
+a normalised fp32 partial output and its lse, and a second small kernel merges the splits by lse (one
+pass with an online max, 32 splits x 128 columns per program and step).
+Two constexpr variants, chosen per table tile (SparseMLAConfig): ``dv_split=2`` gives each row's 512 output
+columns to two programs (each recomputes the 576-wide scores; half the fp32 accumulator), and
+``fp8_post_scale`` applies the fp8 tile scales to the [heads, rows] scores and to P instead of to the
+[rows, 512] tile. Both are correct everywhere (interpreter tests); whether they are faster is for the
+H200 benchmark (``bench/bench_sparse_mla.py --focus``) to say, so the sm_90 table does not use them yet.
 
 Tile sizes are constexprs picked per launch by :func:`choose_config` from (T, H, topk, SM count,
 capability); the number of splits is a runtime argument, so a new batch size never recompiles.
@@ -40,6 +46,7 @@ __all__ = [
     "sparse_mla_attention",
     "sparse_mla_reference",
     "choose_config",
+    "split_count",
     "candidate_tiles",
     "KV_FORMATS",
     "FP8_DS_MLA_BYTES",
@@ -52,6 +59,10 @@ FP8_TILE = 128  # fp8_ds_mla quantisation tile (one float32 scale per 128 values
 FP8_DS_MLA_BYTES = KV_LORA_RANK + 4 * (KV_LORA_RANK // FP8_TILE) + 2 * ROPE_DIM  # 512 + 16 + 128 = 656
 KV_FORMATS = ("bf16", "fp8_ds_mla")
 
+# Split merge: CHUNK_S splits x BLOCK_D columns per program and loop step (32 x 128 fp32: 32 registers a
+# thread at 4 warps); the heuristic never emits more than 32 splits at the top-k of 2048 (BLOCK_N 64).
+_COMBINE_CHUNK_S = 32
+_COMBINE_BLOCK_D = 128
 _TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -61,30 +72,38 @@ _LN2 = 0.6931471805599453
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _load_nope_tile(kv_ptr, row, valid, J: tl.constexpr, IS_FP8: tl.constexpr,
-                    FP8_NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Gather nope tile J (columns J*128 .. J*128+127) of BLOCK_N rows as a [BLOCK_N, 128] DOT_DTYPE tile.
+def _load_nope_tile(kv_ptr, row, valid, col, IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                    FP8_POST: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Gather nope columns col .. col+127 (col a multiple of 128) of BLOCK_N rows.
 
-    ``row`` is each row's offset from ``kv_ptr`` (elements for bf16, bytes for fp8); invalid rows read 0.
+    Returns (tile [BLOCK_N, 128] DOT_DTYPE, scale [BLOCK_N] float32). ``row`` is each row's offset from
+    ``kv_ptr`` (elements for bf16, bytes for fp8); invalid rows read 0. bf16: scale is unused (1).
+    fp8 with FP8_POST=False: the tile is dequantised (x * scale) before the cast, scale is unused.
+    fp8 with FP8_POST=True: the tile holds the raw e4m3 values (exact in bf16, one conversion) and the
+    caller applies the per-row tile scale to the [BLOCK_H, BLOCK_N] scores and to P instead
+    (s_j = (q_j . x_j) * scale_j;  P.V_j = (P * scale_j) . x_j), which is less work when BLOCK_H < 128.
     """
     d = tl.arange(0, 128)
     if IS_FP8:
-        raw = tl.load(kv_ptr + row[:, None] + (J * 128) + d[None, :], mask=valid[:, None], other=0)
-        scale = tl.load((kv_ptr + row + (512 + 4 * J)).to(tl.pointer_type(tl.float32)),
+        raw = tl.load(kv_ptr + row[:, None] + col + d[None, :], mask=valid[:, None], other=0)
+        scale = tl.load((kv_ptr + row + (512 + 4 * (col // 128))).to(tl.pointer_type(tl.float32)),
                         mask=valid, other=0.0)
         if FP8_NATIVE:
-            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            x = raw.to(tl.float8e4nv, bitcast=True)
         else:
             # sm_80/86 have no e4m3 conversion: place sign/exponent/mantissa into an fp16 bit pattern
             # (exponent bias 15 instead of 7, subnormals included) and fold the 2^8 into the scale.
             r16 = raw.to(tl.uint16)
             bits = ((r16 & 0x80) << 8) | ((r16 & 0x7F) << 7)
-            x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+            x = bits.to(tl.float16, bitcast=True)
             scale = scale * 256.0
-        return (x * scale[:, None]).to(DOT_DTYPE)
+        if FP8_POST:
+            return x.to(DOT_DTYPE), scale
+        else:
+            return (x.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), scale
     else:
-        return tl.load(kv_ptr + row[:, None] + (J * 128) + d[None, :], mask=valid[:, None],
-                       other=0.0).to(DOT_DTYPE)
+        t = tl.load(kv_ptr + row[:, None] + col + d[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        return t, tl.full(row.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -95,6 +114,24 @@ def _load_rope_tile(kv_ptr, row, valid, IS_FP8: tl.constexpr, DOT_DTYPE: tl.cons
     else:
         ptr = kv_ptr + row + 512
     return tl.load(ptr[:, None] + r[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+
+
+@triton.jit
+def _qk_tile(s, q, k, scale, POST: tl.constexpr):
+    """s += q . k^T for one 128-wide nope tile (times the per-row fp8 tile scale when POST)."""
+    if POST:
+        return s + tl.dot(q, tl.trans(k)) * scale[None, :]
+    else:
+        return tl.dot(q, tl.trans(k), s)
+
+
+@triton.jit
+def _pv_tile(acc, alpha, p, v, scale, POST: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """acc * alpha + P . V for one 128-wide output tile (P's columns times the fp8 tile scale when POST)."""
+    if POST:
+        return tl.dot((p * scale[None, :]).to(DOT_DTYPE), v, acc * alpha[:, None])
+    else:
+        return tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None])
 
 
 @triton.jit
@@ -109,15 +146,29 @@ def _sparse_mla_fwd_kernel(
     stride_ot, stride_oh, stride_lt, stride_lh,
     sm_scale_log2,
     IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
 ):
-    # program -> (token, split, head group), head group fastest: programs that share a token's KV rows
-    # run side by side and hit L2 for each other.
+    # program -> (token, split, value half, head group), head group fastest: programs that share a
+    # token's KV rows run side by side and hit L2 for each other.
+    # DV_SPLIT = 2: each program computes the full 576-wide scores but only 256 of the 512 output columns
+    # (half the [BLOCK_H, 512] fp32 accumulator; the two halves of a row are two programs).
     pid = tl.program_id(0)
     hg = pid % num_head_groups
     rest = pid // num_head_groups
+    if DV_SPLIT == 1:
+        c0 = 0
+    else:
+        c0 = (rest % 2) * 256
+        rest = rest // 2
     sp = rest % num_splits
     t = rest // num_splits
+    # Column order: the program's own output tiles first (A, B), then (C, D); the score is a sum over
+    # all four in any order. DV_SPLIT = 1: A, B, C, D = 0, 128, 256, 384.
+    cA = c0
+    cB = c0 + 128
+    cC = 256 - c0
+    cD = 384 - c0
+    POST: tl.constexpr = IS_FP8 and FP8_POST
 
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
 
@@ -127,18 +178,19 @@ def _sparse_mla_fwd_kernel(
     r = tl.arange(0, 64)
 
     q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h.to(tl.int64) * stride_qh
-    q0 = tl.load(q_row[:, None] + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    q1 = tl.load(q_row[:, None] + 128 + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    q2 = tl.load(q_row[:, None] + 256 + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    q3 = tl.load(q_row[:, None] + 384 + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    qA = tl.load(q_row[:, None] + cA + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    qB = tl.load(q_row[:, None] + cB + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    qC = tl.load(q_row[:, None] + cC + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    qD = tl.load(q_row[:, None] + cD + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
     qr = tl.load(q_row[:, None] + 512 + r[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    accA = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    accB = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    if DV_SPLIT == 1:
+        accC = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        accD = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
 
     start = sp * split_len
     end = start + split_len
@@ -153,17 +205,17 @@ def _sparse_mla_fwd_kernel(
         blk = slot // block_size
         row = blk.to(tl.int64) * stride_kvb + (slot - blk * block_size).to(tl.int64) * stride_kvt
 
-        k0 = _load_nope_tile(kv_ptr, row, valid, 0, IS_FP8, FP8_NATIVE, DOT_DTYPE)
-        k1 = _load_nope_tile(kv_ptr, row, valid, 1, IS_FP8, FP8_NATIVE, DOT_DTYPE)
-        k2 = _load_nope_tile(kv_ptr, row, valid, 2, IS_FP8, FP8_NATIVE, DOT_DTYPE)
-        k3 = _load_nope_tile(kv_ptr, row, valid, 3, IS_FP8, FP8_NATIVE, DOT_DTYPE)
+        kA, sA = _load_nope_tile(kv_ptr, row, valid, cA, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+        kB, sB = _load_nope_tile(kv_ptr, row, valid, cB, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+        kC, sC = _load_nope_tile(kv_ptr, row, valid, cC, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+        kD, sD = _load_nope_tile(kv_ptr, row, valid, cD, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
         kr = _load_rope_tile(kv_ptr, row, valid, IS_FP8, DOT_DTYPE)
 
         s = tl.dot(qr, tl.trans(kr))
-        s = tl.dot(q0, tl.trans(k0), s)
-        s = tl.dot(q1, tl.trans(k1), s)
-        s = tl.dot(q2, tl.trans(k2), s)
-        s = tl.dot(q3, tl.trans(k3), s)
+        s = _qk_tile(s, qA, kA, sA, POST)
+        s = _qk_tile(s, qB, kB, sB, POST)
+        s = _qk_tile(s, qC, kC, sC, POST)
+        s = _qk_tile(s, qD, kD, sD, POST)
         s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -171,35 +223,38 @@ def _sparse_mla_fwd_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pd = p.to(DOT_DTYPE)
-        acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
-        acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
-        acc2 = tl.dot(pd, k2, acc2 * alpha[:, None])
-        acc3 = tl.dot(pd, k3, acc3 * alpha[:, None])
+        accA = _pv_tile(accA, alpha, p, kA, sA, POST, DOT_DTYPE)
+        accB = _pv_tile(accB, alpha, p, kB, sB, POST, DOT_DTYPE)
+        if DV_SPLIT == 1:
+            accC = _pv_tile(accC, alpha, p, kC, sC, POST, DOT_DTYPE)
+            accD = _pv_tile(accD, alpha, p, kD, sD, POST, DOT_DTYPE)
         m_i = m_new
 
     has = l_i > 0.0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if DV_SPLIT == 1:
+        lmask = hmask
+    else:
+        lmask = hmask & (c0 == 0)  # both halves hold the same lse: one stores it
     if SPLIT:
         prow = (t.to(tl.int64) * H + offs_h) * num_splits + sp
         po = po_ptr + prow[:, None] * 512 + d[None, :]
-        tl.store(po, acc0 * inv_l[:, None], mask=hmask[:, None])
-        tl.store(po + 128, acc1 * inv_l[:, None], mask=hmask[:, None])
-        tl.store(po + 256, acc2 * inv_l[:, None], mask=hmask[:, None])
-        tl.store(po + 384, acc3 * inv_l[:, None], mask=hmask[:, None])
-        tl.store(plse_ptr + prow, lse, mask=hmask)
+        tl.store(po + cA, accA * inv_l[:, None], mask=hmask[:, None])
+        tl.store(po + cB, accB * inv_l[:, None], mask=hmask[:, None])
+        if DV_SPLIT == 1:
+            tl.store(po + cC, accC * inv_l[:, None], mask=hmask[:, None])
+            tl.store(po + cD, accD * inv_l[:, None], mask=hmask[:, None])
+        tl.store(plse_ptr + prow, lse, mask=lmask)
     else:
         o = out_ptr + t.to(tl.int64) * stride_ot + offs_h.to(tl.int64) * stride_oh
-        tl.store(o[:, None] + d[None, :], (acc0 * inv_l[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None])
-        tl.store(o[:, None] + 128 + d[None, :], (acc1 * inv_l[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None])
-        tl.store(o[:, None] + 256 + d[None, :], (acc2 * inv_l[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None])
-        tl.store(o[:, None] + 384 + d[None, :], (acc3 * inv_l[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None])
-        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h.to(tl.int64) * stride_lh, lse, mask=hmask)
+        o = o[:, None] + d[None, :]
+        tl.store(o + cA, (accA * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(o + cB, (accB * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        if DV_SPLIT == 1:
+            tl.store(o + cC, (accC * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+            tl.store(o + cD, (accD * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h.to(tl.int64) * stride_lh, lse, mask=lmask)
 
 
 @triton.jit
@@ -207,41 +262,45 @@ def _sparse_mla_combine_kernel(
     po_ptr, plse_ptr, out_ptr, lse_ptr,
     H, num_splits,
     stride_ot, stride_oh, stride_lt, stride_lh,
-    CHUNK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge the num_splits normalised partials of one (token, head) row by their lse.
+    """Merge the num_splits normalised partials of one (token, head) row by their lse, for BLOCK_D of the
+    512 output columns (program axis 1).
 
-    Splits are read CHUNK_S at a time ([CHUNK_S, 512] tiles, so the loads of a chunk are in flight
-    together); CHUNK_S is fixed, so a new split count never recompiles."""
+    One pass with an online max: each chunk of CHUNK_S splits loads its lse values and its [CHUNK_S,
+    BLOCK_D] partial tile together (independent loads, one memory round trip per chunk; with the
+    heuristic's split counts, <= CHUNK_S, a single chunk). CHUNK_S is fixed, so a new split count never
+    recompiles. Every split's partial is written by the forward kernel (zeros for an empty split, whose
+    lse is -inf and weight 0)."""
     pid = tl.program_id(0)
+    pd = tl.program_id(1)
     t = pid // H
     h = pid % H
     base = pid.to(tl.int64) * num_splits
     offs_c = tl.arange(0, CHUNK_S)
-    lmax = tl.full([CHUNK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, CHUNK_S):
-        ls = tl.load(plse_ptr + base + s0 + offs_c, mask=s0 + offs_c < num_splits, other=float("-inf"))
-        lmax = tl.maximum(lmax, ls)
-    m = tl.max(lmax, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    d = tl.arange(0, 512)
-    acc = tl.zeros([512], dtype=tl.float32)
-    wsum = tl.zeros([CHUNK_S], dtype=tl.float32)
+    d = pd * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = tl.max(tl.full([CHUNK_S], float("-inf"), dtype=tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    wsum = tl.sum(tl.zeros([CHUNK_S], dtype=tl.float32), 0)
     for s0 in range(0, num_splits, CHUNK_S):
         smask = s0 + offs_c < num_splits
         ls = tl.load(plse_ptr + base + s0 + offs_c, mask=smask, other=float("-inf"))
+        o = tl.load(po_ptr + (base + s0 + offs_c)[:, None] * 512 + d[None, :], mask=smask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(ls, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: avoid -inf - -inf
+        alpha = tl.exp(m - m_use)  # 0 while m is -inf
         w = tl.exp(ls - m_use)  # 0 for an empty split (lse -inf) and for masked lanes
-        o = tl.load(po_ptr + (base + s0 + offs_c)[:, None] * 512 + d[None, :],
-                    mask=(smask & (w > 0.0))[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-        wsum += w
-    total = tl.sum(wsum, 0)
-    has = total > 0.0
-    res = acc * tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
-    lse = tl.where(has, m_use + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        wsum = wsum * alpha + tl.sum(w, 0)
+        m = m_new
+    has = wsum > 0.0
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    res = acc * tl.where(has, 1.0 / tl.where(has, wsum, 1.0), 0.0)
+    lse = tl.where(has, m_use + tl.log(tl.where(has, wsum, 1.0)), float("-inf"))
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d,
              res.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h.to(tl.int64) * stride_lh, lse)
+    if pd == 0:
+        tl.store(lse_ptr + t.to(tl.int64) * stride_lt + h.to(tl.int64) * stride_lh, lse)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -256,6 +315,12 @@ class SparseMLAConfig:
     num_splits: programs the top-k list of one (token, head group) is split across (runtime value:
         changing it never recompiles). 1 writes the outputs directly, > 1 adds a merge kernel.
     num_warps, num_stages: Triton launch options (num_stages > 1 software-pipelines the gathers).
+    dv_split: 1, or 2 = each program computes the full scores but only 256 of the 512 output columns
+        (two programs per row: half the fp32 accumulator in registers, twice the score work).
+    fp8_post_scale: fp8_ds_mla only: apply the per-row tile scales to the scores and to P after/before
+        the dots instead of dequantising the [BLOCK_N, 512] tile (no effect on bf16).
+    String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f],
+        e.g. 'h64n64s1w8p3d2' (dv_split=2) or 'h16n32s8w4p2f' (fp8_post_scale).
     """
 
     block_h: int = 16
@@ -263,53 +328,102 @@ class SparseMLAConfig:
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    dv_split: int = 1
+    fp8_post_scale: bool = False
 
     @property
-    def tile(self) -> tuple[int, int, int, int]:
-        return (self.block_h, self.block_n, self.num_warps, self.num_stages)
+    def tile(self) -> tuple[int, int, int, int, int, bool]:
+        """Everything but the split count (what a table entry holds; what one compile depends on)."""
+        return (self.block_h, self.block_n, self.num_warps, self.num_stages, self.dv_split,
+                self.fp8_post_scale)
 
     def __str__(self) -> str:  # compact form, parsed back by from_string (benchmark sweeps)
         return (f"h{self.block_h}n{self.block_n}s{self.num_splits}"
-                f"w{self.num_warps}p{self.num_stages}")
+                f"w{self.num_warps}p{self.num_stages}"
+                f"{'d%d' % self.dv_split if self.dv_split != 1 else ''}{'f' if self.fp8_post_scale else ''}")
 
     @classmethod
     def from_string(cls, s: str) -> "SparseMLAConfig":
         import re
 
-        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)", s.strip())
+        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)(?:d(\d+))?(f)?", s.strip())
         if not m:
             raise ValueError(f"bad sparse-MLA config {s!r}: expected e.g. 'h16n32s8w4p2' "
-                             "(block_h, block_n, num_splits, num_warps, num_stages)")
-        return cls(*(int(g) for g in m.groups()))
+                             "(block_h, block_n, num_splits, num_warps, num_stages, optional d2 and f)")
+        g = m.groups()
+        return cls(*(int(x) for x in g[:5]), int(g[5] or 1), g[6] == "f")
+
+    @classmethod
+    def from_tile(cls, tile: tuple, num_splits: int = 1) -> "SparseMLAConfig":
+        bh, bn, nw, ns, dv, post = tile
+        return cls(bh, bn, num_splits, nw, ns, dv, post)
 
 
-# Tile table: (capability class, kv format, head bucket) -> (block_h, block_n, num_warps, num_stages).
-# Every entry is cross-compiled for its targets by tests/kernels/test_sparse_mla_xcompile.py, which
-# asserts the shared-memory limit and zero register spills (ptxas -v). Capability classes:
-#   "sm90": Hopper, 227 KB shared memory per block;  "sm80": A100, 163 KB;
+# Tile tables. A tile is (block_h, block_n, num_warps, num_stages) plus the number of programs per SM the
+# split rule aims for (2 for 4-warp tiles that fit twice on an SM, else 1). Every tile is cross-compiled
+# for its targets by tests/kernels/test_sparse_mla_xcompile.py (shared-memory limit, zero ptxas spills).
+# Capability classes: "sm90": Hopper, 227 KB shared memory per block; "sm80": A100, 163 KB;
 #   "sm8x": sm_86 / sm_89 / sm_120 (consumer and workstation parts, DGX Spark), 99 KB.
 # Measured there (Triton 3.6): BLOCK_H=64 with fp8 dequantisation spills on every mma.sync target
 # (sm_80/86/89/120), so those use two 32-head groups; BLOCK_H=64 x BLOCK_N=32 bf16 spills on sm_8x.
-_TILE_TABLE: dict[tuple[str, str, int], tuple[int, int, int, int]] = {
-    ("sm90", "bf16", 16): (16, 64, 8, 2),
-    ("sm90", "bf16", 32): (32, 64, 8, 2),
-    ("sm90", "bf16", 64): (64, 32, 8, 2),
-    ("sm90", "fp8_ds_mla", 16): (16, 64, 8, 2),
-    ("sm90", "fp8_ds_mla", 32): (32, 32, 8, 2),
+#
+# Two regimes (choose_config):
+#   latency    - few (token, 16-head) rows (<= sm_count / 8): 16-head tiles, the top-k split into many
+#                short splits, one program per SM (_LATENCY_TILE);
+#   throughput - otherwise: the head bucket's tile (_TILE_TABLE), split only until the programs fill
+#                programs_per_sm x sm_count.
+# sm90 entries are the H200 sweep's fastest (bench/results/h200-sparse_mla-run1.md, Triton 3.6):
+#   latency h16n64w8p2 (bf16/fp8, T=1 H=8..128 and T=8 H<=16: 12.9-20.4 us, best or within 4%);
+#   H<=16: bf16 h16n64w4p2, fp8 h16n32w4p2 at two programs per SM (T=32/128: best);
+#   H>16: h64n64w8p3 at one program per SM (T=8..128 and prefill, both formats: best).
+_LATENCY_TILE: dict[tuple[str, str], tuple[tuple, int]] = {
+    ("sm90", "bf16"): ((16, 64, 8, 2, 1, False), 1),
+    ("sm90", "fp8_ds_mla"): ((16, 64, 8, 2, 1, False), 1),
+    ("sm80", "bf16"): ((16, 64, 4, 2, 1, False), 1),  # (16, 64, 8, 2) spills 4 B with Triton 3.5
+    ("sm80", "fp8_ds_mla"): ((16, 64, 8, 2, 1, False), 1),
+    ("sm8x", "bf16"): ((16, 32, 4, 2, 1, False), 1),  # (16, 32, 8, 2) spills 4 B on sm_120 (ptxas 12.9)
+    ("sm8x", "fp8_ds_mla"): ((16, 32, 8, 2, 1, False), 1),
+}
+_TILE_TABLE: dict[tuple[str, str, int], tuple[tuple, int]] = {
+    ("sm90", "bf16", 16): ((16, 64, 4, 2, 1, False), 2),
+    ("sm90", "bf16", 32): ((32, 64, 8, 2, 1, False), 1),
+    # Triton 3.5 (vLLM 0.16.0's torch) spills 120 B at 64 heads x n64p3 on sm_90: keep run 1's tile there.
+    ("sm90", "bf16", 64): (((64, 64, 8, 3, 1, False), 1) if _TRITON_VERSION >= (3, 6)
+                           else ((64, 32, 8, 2, 1, False), 1)),
+    ("sm90", "fp8_ds_mla", 16): ((16, 32, 4, 2, 1, False), 2),
+    ("sm90", "fp8_ds_mla", 32): ((32, 32, 8, 2, 1, False), 1),
     # Triton 3.5 spills 130+ B with 64 heads x fp8 dequantisation on sm_90; 3.6 does not.
-    ("sm90", "fp8_ds_mla", 64): (64, 32, 8, 2) if _TRITON_VERSION >= (3, 6) else (32, 32, 8, 2),
-    ("sm80", "bf16", 16): (16, 64, 4, 2),  # (16, 64, 8, 2) spills 4 B with Triton 3.5
-    ("sm80", "bf16", 32): (32, 64, 8, 2),
-    ("sm80", "bf16", 64): (64, 16, 8, 2),
-    ("sm80", "fp8_ds_mla", 16): (16, 64, 8, 2),
-    ("sm80", "fp8_ds_mla", 32): (32, 32, 8, 2),
-    ("sm80", "fp8_ds_mla", 64): (32, 32, 8, 2),
-    ("sm8x", "bf16", 16): (16, 32, 4, 2),  # (16, 32, 8, 2) spills 4 B on sm_120 (ptxas 12.9 caps it at 128 regs)
-    ("sm8x", "bf16", 32): (32, 32, 8, 2),
-    ("sm8x", "bf16", 64): (64, 16, 8, 2),
-    ("sm8x", "fp8_ds_mla", 16): (16, 32, 8, 2),
-    ("sm8x", "fp8_ds_mla", 32): (32, 32, 8, 2),
-    ("sm8x", "fp8_ds_mla", 64): (32, 32, 8, 2),
+    ("sm90", "fp8_ds_mla", 64): (((64, 64, 8, 3, 1, False), 1) if _TRITON_VERSION >= (3, 6)
+                                 else ((32, 32, 8, 2, 1, False), 1)),
+    ("sm80", "bf16", 16): ((16, 64, 4, 2, 1, False), 1),
+    ("sm80", "bf16", 32): ((32, 64, 8, 2, 1, False), 1),
+    ("sm80", "bf16", 64): ((64, 16, 8, 2, 1, False), 1),
+    ("sm80", "fp8_ds_mla", 16): ((16, 64, 8, 2, 1, False), 1),
+    ("sm80", "fp8_ds_mla", 32): ((32, 32, 8, 2, 1, False), 1),
+    ("sm80", "fp8_ds_mla", 64): ((32, 32, 8, 2, 1, False), 1),
+    ("sm8x", "bf16", 16): ((16, 32, 4, 2, 1, False), 1),
+    ("sm8x", "bf16", 32): ((32, 32, 8, 2, 1, False), 1),
+    ("sm8x", "bf16", 64): ((64, 16, 8, 2, 1, False), 1),
+    ("sm8x", "fp8_ds_mla", 16): ((16, 32, 8, 2, 1, False), 1),
+    ("sm8x", "fp8_ds_mla", 32): ((32, 32, 8, 2, 1, False), 1),
+    ("sm8x", "fp8_ds_mla", 64): ((32, 32, 8, 2, 1, False), 1),
+}
+
+
+# Variants the benchmark's --focus mode times on sm_90 beside the table tiles (bench/bench_sparse_mla.py);
+# cross-compiled for sm_90 by tests/kernels/test_sparse_mla_xcompile.py so that a faster one can enter
+# _TILE_TABLE knowing it fits and does not spill. Same tuple form as the table. Cross-compiled here
+# (Triton 3.6, sm_90, read from the TTGIR): q sits in shared memory (73.7 KB at 64 heads), the gathered
+# bf16 K tiles get 2 buffers at n64p3 (2 x 73.7 KB) and 3 at n32p5 (3 x 36.9 KB; n32p6 is identical),
+# and P feeds the P.V wgmma from registers. n32p5 asks for finer-grained, deeper gathers.
+# Under Triton 3.5 (vLLM 0.16.0) the 64-head variants here spill 16-156 B on sm_90 (the table tiles do
+# not): a variant promoted to _TILE_TABLE needs a Triton-3.5 fallback like the bucket-64 entries.
+FOCUS_TILES: dict[str, list[tuple]] = {
+    "bf16": [(64, 64, 8, 3, 2, False), (64, 32, 8, 5, 1, False), (64, 32, 8, 4, 2, False),
+             (16, 32, 4, 3, 1, False)],
+    # fp8_post_scale with 64 heads (n64p3, d1 and d2) and with h16n32w4 spills on sm_90 (Triton 3.6).
+    "fp8_ds_mla": [(16, 64, 8, 2, 1, True), (64, 64, 8, 3, 2, False), (64, 32, 8, 5, 1, False),
+                   (16, 32, 4, 3, 1, False)],
 }
 
 
@@ -326,28 +440,44 @@ def _head_bucket(num_heads: int) -> int:
     return 16 if num_heads <= 16 else (32 if num_heads <= 32 else 64)
 
 
-def candidate_tiles(capability: tuple[int, int], kv_format: str) -> list[tuple[int, int, int, int]]:
-    """Every (block_h, block_n, num_warps, num_stages) :func:`choose_config` can return for a target."""
+def candidate_tiles(capability: tuple[int, int], kv_format: str) -> list[tuple]:
+    """Every tile (block_h, block_n, num_warps, num_stages, dv_split, fp8_post_scale) that
+    :func:`choose_config` can return for a target (SparseMLAConfig.from_tile turns one into a config)."""
     cls_ = _capability_class(capability)
-    return sorted({v for (c, f, _), v in _TILE_TABLE.items() if c == cls_ and f == kv_format})
+    tiles = {v[0] for (c, f, _), v in _TILE_TABLE.items() if c == cls_ and f == kv_format}
+    tiles.add(_LATENCY_TILE[(cls_, kv_format)][0])
+    return sorted(tiles)
 
 
 def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "bf16", *,
                   sm_count: int = 132, capability: tuple[int, int] = (9, 0)) -> SparseMLAConfig:
     """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes).
 
-    Tiles come from a per-capability table (by head bucket). When (tokens x head groups) programs do not
-    fill one wave of SMs, the top-k list is split until they do (at most one split per BLOCK_N tile);
-    partial results are merged by lse in a second kernel.
+    Latency regime (T x ceil(H / 16) <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16): the
+    16-head latency tile. Otherwise the head bucket's throughput tile. Then the top-k list is split so
+    that T x head groups x splits fills the tile's programs-per-SM x sm_count (waves over the SMs), at
+    most one split per BLOCK_N tile and never an empty split; splits are merged by lse in a second kernel.
     """
-    bh, bn, nw, ns = _TILE_TABLE[(_capability_class(capability), kv_format, _head_bucket(num_heads))]
-    programs = max(1, num_tokens) * triton.cdiv(num_heads, bh)
+    cls_ = _capability_class(capability)
+    T = max(1, num_tokens)
+    if T * triton.cdiv(num_heads, 16) <= max(1, sm_count // 8):
+        tile, per_sm = _LATENCY_TILE[(cls_, kv_format)]
+    else:
+        tile, per_sm = _TILE_TABLE[(cls_, kv_format, _head_bucket(num_heads))]
+    return SparseMLAConfig.from_tile(tile, split_count(num_tokens, num_heads, topk, tile, per_sm, sm_count))
+
+
+def split_count(num_tokens: int, num_heads: int, topk: int, tile: tuple, programs_per_sm: int = 1,
+                sm_count: int = 132) -> int:
+    """Splits of the top-k list so that T x head groups x dv_split x splits programs fill
+    programs_per_sm x sm_count (at most one split per BLOCK_N tile, no empty split)."""
+    bh, bn, dv = tile[0], tile[1], tile[4]
+    rows = max(1, num_tokens) * triton.cdiv(num_heads, bh) * dv
     n_tiles = triton.cdiv(max(topk, 1), bn)
-    splits = 1 if programs >= sm_count else max(1, min(n_tiles, sm_count // programs))
+    splits = max(1, min(n_tiles, (programs_per_sm * sm_count) // rows))
     # Re-derive from the split length so that no split is empty.
-    split_len = triton.cdiv(triton.cdiv(topk, splits), bn) * bn
-    splits = triton.cdiv(topk, split_len)
-    return SparseMLAConfig(bh, bn, splits, nw, ns)
+    split_len = triton.cdiv(triton.cdiv(max(topk, 1), splits), bn) * bn
+    return triton.cdiv(max(topk, 1), split_len)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -500,7 +630,9 @@ def sparse_mla_attention(
     else:
         po = plse = out  # unused (SPLIT=False)
 
-    grid = (T * num_splits * num_head_groups,)
+    if config.dv_split not in (1, 2):
+        raise ValueError(f"sparse_mla_attention: bad config {config}: dv_split must be 1 or 2")
+    grid = (T * num_splits * config.dv_split * num_head_groups,)
     _sparse_mla_fwd_kernel[grid](
         q, kv, indices, out, lse, po, plse,
         H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
@@ -510,14 +642,14 @@ def sparse_mla_attention(
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         float(softmax_scale) * _LOG2E,
         IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=split, DOT_F32=interp,
-        BLOCK_H=bh, BLOCK_N=bn,
+        BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split, FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _sparse_mla_combine_kernel[(T * H,)](
+        _sparse_mla_combine_kernel[(T * H, KV_LORA_RANK // _COMBINE_BLOCK_D)](
             po, plse, out, lse, H, num_splits,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            CHUNK_S=8, num_warps=4,
+            CHUNK_S=_COMBINE_CHUNK_S, BLOCK_D=_COMBINE_BLOCK_D, num_warps=4,
         )
     return out, lse
 

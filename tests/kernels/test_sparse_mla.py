@@ -224,8 +224,15 @@ CASES = [
     (8, "fp8_ds_mla", 5, 130, 2, 16, "h16n32s4w4p2"),
     (9, "fp8_ds_mla", 16, 37, 2, 1, None),
     (10, "fp8_ds_mla", 33, 64, 1, 64, "h32n16s2w8p2"),
-    (11, "bf16", 3, 200, 2, 16, "h16n16s13w4p2"),  # more splits than one merge chunk (8)
+    (11, "bf16", 3, 200, 2, 16, "h16n16s13w4p2"),
+    (18, "bf16", 2, 700, 2, 16, "h16n16s40w4p2"),  # more splits than one merge chunk (32)
     (12, "fp8_ds_mla", 2, 300, 1, 64, "h16n16s19w4p2"),
+    # value-dimension split (two programs per row) and fp8 scales applied after the dots
+    (13, "bf16", 19, 70, 2, 16, "h16n32s2w4p2d2"),
+    (14, "bf16", 64, 33, 1, 64, "h64n16s1w8p2d2"),
+    (15, "fp8_ds_mla", 7, 130, 2, 16, "h16n32s3w4p2f"),
+    (16, "fp8_ds_mla", 40, 37, 2, 1, "h32n16s1w8p2d2f"),
+    (17, "fp8_ds_mla", 3, 90, 3, 64, "h16n32s1w4p2d2"),
 ]
 
 
@@ -274,8 +281,8 @@ def test_kernel_fresh_random_shapes(draw):
     if r.random() < 0.3:
         config = None
     else:
-        bh, bn, nw, ns = r.choice(tiles)
-        config = M.SparseMLAConfig(bh, bn, r.randint(1, 6), nw, ns)
+        bh, bn, nw, ns, dv, post = r.choice(tiles)
+        config = M.SparseMLAConfig(bh, bn, r.randint(1, 6), nw, ns, r.choice([1, dv, 2]), r.choice([post, True]))
     scale = r.choice([576 ** -0.5, 0.1])
     what = f"seed={seed} fmt={fmt} H={H} topk={topk} T={T} block_size={block_size} config={config}"
     out, lse = run_poisoned(q, cache, idx, scale, fmt, config=config)
@@ -286,8 +293,9 @@ def test_kernel_fresh_random_shapes(draw):
         raise AssertionError(f"{what}: {e}") from None
 
 
+@pytest.mark.parametrize("post", [False, True], ids=["scale-tile", "scale-after-dot"])
 @pytest.mark.parametrize("native", [True, False], ids=["cvt-e4m3", "bit-trick-sm80"])
-def test_fp8_both_conversion_paths(native):
+def test_fp8_both_conversion_paths(native, post):
     r = random.Random(21)
     g = torch.Generator().manual_seed(21)
     cache, exact = make_cache(g, 4, 16, "fp8_ds_mla", scale=7.0)
@@ -295,7 +303,8 @@ def test_fp8_both_conversion_paths(native):
     T, H, topk = 2, 4, 40
     q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16)
     idx = draw_indices(r, T, topk, 64)
-    out, lse = run_poisoned(q, cache, idx, 0.05, "fp8_ds_mla", _fp8_native=native)
+    config = M.SparseMLAConfig(16, 16, 2, 4, 2, 1, post)
+    out, lse = run_poisoned(q, cache, idx, 0.05, "fp8_ds_mla", _fp8_native=native, config=config)
     ro, rl = M.sparse_mla_reference(q, cache, idx, 0.05, "fp8_ds_mla")
     check_against(out, lse, ro, rl)
 
@@ -401,3 +410,30 @@ def test_heuristic_emits_only_table_tiles_and_no_empty_split(capability, fmt):
                     split_len = -(-topk // c.num_splits)
                     split_len = -(-split_len // c.block_n) * c.block_n
                     assert (c.num_splits - 1) * split_len < topk  # the last split has work
+
+
+def test_config_strings_round_trip():
+    for cap in [(8, 0), (8, 6), (9, 0), (12, 0)]:
+        for fmt in M.KV_FORMATS:
+            for tile in M.candidate_tiles(cap, fmt) + M.FOCUS_TILES[fmt]:
+                c = M.SparseMLAConfig.from_tile(tile, 7)
+                assert M.SparseMLAConfig.from_string(str(c)) == c
+    assert str(M.SparseMLAConfig(64, 64, 1, 8, 3, 2, True)) == "h64n64s1w8p3d2f"
+    with pytest.raises(ValueError):
+        M.SparseMLAConfig.from_string("h64n64s1w8")
+
+
+@pytest.mark.parametrize("fmt", M.KV_FORMATS)
+def test_merge_when_a_whole_first_chunk_of_splits_is_empty(fmt):
+    """The split merge runs an online max over chunks of 32 splits: chunk 0 all empty, work after it."""
+    r = random.Random(9)
+    g = torch.Generator().manual_seed(9)
+    cache, _ = make_cache(g, 3, 64, fmt)
+    T, H, topk = 2, 3, 16 * 40
+    q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16)
+    idx = draw_indices(r, T, topk, 192)
+    idx[0, :16 * 33] = -1  # token 0: splits 0..32 empty (all of chunk 0 and one of chunk 1)
+    idx[1, 16 * 32:] = 10 ** 6  # token 1: only chunk 0 has work
+    out, lse = run_poisoned(q, cache, idx, 0.1, fmt, config=M.SparseMLAConfig(16, 16, 40, 4, 2))
+    ro, rl = M.sparse_mla_reference(q, cache, idx, 0.1, fmt)
+    check_against(out, lse, ro, rl)
