@@ -61,7 +61,9 @@ KV_FORMATS = ("bf16", "fp8_ds_mla")
 
 # Split merge: CHUNK_S splits x BLOCK_D columns per program and loop step (32 x 128 fp32: 32 registers a
 # thread at 4 warps); the heuristic never emits more than 32 splits at the top-k of 2048 (BLOCK_N 64).
-_COMBINE_CHUNK_S = 32
+# CHUNK_S is the smallest of these that holds the split count (any count still works: the kernel loops),
+# so a 2- or 4-way split does not pay for 32 masked lanes; three variants at most are ever compiled.
+_COMBINE_CHUNKS = (4, 8, 32)
 _COMBINE_BLOCK_D = 128
 _TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
 _LOG2E = 1.4426950408889634
@@ -649,9 +651,13 @@ def sparse_mla_attention(
         _sparse_mla_combine_kernel[(T * H, KV_LORA_RANK // _COMBINE_BLOCK_D)](
             po, plse, out, lse, H, num_splits,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            CHUNK_S=_COMBINE_CHUNK_S, BLOCK_D=_COMBINE_BLOCK_D, num_warps=4,
+            CHUNK_S=_combine_chunk(num_splits), BLOCK_D=_COMBINE_BLOCK_D, num_warps=4,
         )
     return out, lse
+
+
+def _combine_chunk(num_splits: int) -> int:
+    return next((c for c in _COMBINE_CHUNKS if num_splits <= c), _COMBINE_CHUNKS[-1])
 
 
 def dequantize_fp8_ds_mla(kv_rows: torch.Tensor) -> torch.Tensor:

@@ -226,6 +226,7 @@ CASES = [
     (10, "fp8_ds_mla", 33, 64, 1, 64, "h32n16s2w8p2"),
     (11, "bf16", 3, 200, 2, 16, "h16n16s13w4p2"),
     (18, "bf16", 2, 700, 2, 16, "h16n16s40w4p2"),  # more splits than one merge chunk (32)
+    (19, "bf16", 4, 150, 2, 16, "h16n16s6w4p2"),  # the 8-wide merge chunk (2-4 splits: 4-wide, 9-32: 32-wide)
     (12, "fp8_ds_mla", 2, 300, 1, 64, "h16n16s19w4p2"),
     # value-dimension split (two programs per row) and fp8 scales applied after the dots
     (13, "bf16", 19, 70, 2, 16, "h16n32s2w4p2d2"),
