@@ -4,8 +4,7 @@ dense float32/float64 reference of DeepSeek sparse attention that never looks at
 What runs is what serves on a GPU: the real metadata builder and impl of the overlay's backend,
 vLLM's own `CommonAttentionMetadata`, the real Triton kernels (sparse MLA; indexer logits) under
 Triton's CPU interpreter, and vLLM 0.23.0's own helpers where it has torch versions of the CUDA
-steps (`build_prefill_chunk_metadata` for the indexer's ks/ke, `_topk_indices_torch`: the contract
-of `top_k_per_row_prefill`). The batch mixes two decodes, a chunked-prefill continuation whose
+steps (`_topk_indices_torch`: the contract of `top_k_per_row_prefill`). The batch mixes two decodes, a chunked-prefill continuation whose
 positions cross the top-k width, and a fresh prefill; block tables are shuffled physical blocks;
 cache slots no request owns hold NaN, so any wrong slot read shows.
 
@@ -176,3 +175,87 @@ def test_backend_mixed_batch_vs_dense_reference(staged):
         assert out[fmt]["shape"] == [62, 3, 512]
         # bf16 output rounding (2^-8 relative) plus bf16 probabilities inside the kernel
         assert out[fmt]["max_rel"] < 2e-2, out
+
+
+INDEXER = """
+from vllm.v1.attention.ops.rocm_aiter_mla_sparse import _topk_indices_torch
+from vllm._dsa_overlay import indexer_ops as ix
+from vllm._dsa_overlay.kernels import indexer as KI
+
+HI, D, TOPK, NUM_BLOCKS, MAX_MODEL_LEN = 4, 128, 40, 12, 320
+reqs = [(150, 1), (97, 1), (140, 40), (20, 20)]     # 2 decodes, continuation, fresh prefill
+sc = scenario(5, reqs, NUM_BLOCKS)
+g = sc["g"]
+T = len(sc["pos"])
+nd = 2
+
+def quant(k):   # ue8m0 per-token scale, e4m3 values (vLLM's indexer_k_quant_and_cache rule)
+    s = k.abs().amax(-1).clamp_min(1e-4) / 448.0
+    s = torch.exp2(torch.ceil(torch.log2(s)))
+    return (k / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), s.float()
+
+keys = [torch.randn(s, D, generator=g).to(torch.bfloat16) for s, _ in reqs]
+qk = [quant(k.float()) for k in keys]
+cache = torch.full((NUM_BLOCKS, BS, D + 4), 0xFF, dtype=torch.uint8)   # NaN bytes everywhere
+for r, (s, _) in enumerate(reqs):                                    # context + this step's keys
+    slots = torch.tensor([int(sc["bt"][r, p // BS]) * BS + p % BS for p in range(s)])
+    KI.indexer_k_quant_and_cache_ref(keys[r], cache, slots, D, "ue8m0")
+q = (torch.randn(T, HI, D, generator=g) * 2).to(torch.float8_e4m3fn)
+w = torch.randn(T, HI, generator=g)
+seq_lens = torch.tensor([s for s, _ in reqs], dtype=torch.int32)
+
+local = torch.full((T, TOPK), -1, dtype=torch.int32)
+# decode: vLLM 0.23.0 passes (q [B, 1, H, D], None), cache.unsqueeze(-2), seq_lens [B, 1]
+logits = ix.fp8_fp4_paged_mqa_logits(
+    (q[:nd].view(nd, 1, HI, D), None), cache.unsqueeze(-2), w[:nd], seq_lens[:nd].unsqueeze(-1),
+    sc["bt"][:nd], torch.zeros(5, 2, dtype=torch.int32), MAX_MODEL_LEN, False)
+col = torch.arange(MAX_MODEL_LEN)
+visible = col[None, :] < seq_lens[:nd, None]                  # what top_k_per_row_decode reads
+local[:nd] = _topk_indices_torch(logits.masked_fill(~visible, float("-inf")), TOPK)
+# prefill: one chunk holding both prefill requests. ks/ke as vLLM 0.23.0's
+# _build_prefill_chunk_metadata_kernel writes them (a Triton kernel vLLM will not launch without a
+# GPU driver): ks = the request's first row in the chunk's concatenated keys, ke = ks + position + 1
+starts = [0, reqs[nd][0]]
+ks_l, ke_l = [], []
+for i, (s, ql) in enumerate(reqs[nd:]):
+    for j in range(ql):
+        ks_l.append(starts[i]); ke_l.append(starts[i] + s - ql + j + 1)
+chunk = types.SimpleNamespace(cu_seqlen_ks=torch.tensor(ks_l, dtype=torch.int32),
+                              cu_seqlen_ke=torch.tensor(ke_l, dtype=torch.int32),
+                              token_start=int(sc["qsl"][nd]), token_end=T)
+kq = torch.cat([qk[r][0] for r in range(nd, len(reqs))])      # what cp_gather_indexer_k_quant_cache
+ks_ = torch.cat([qk[r][1] for r in range(nd, len(reqs))])     # writes: each request's keys 0..s-1
+sl = slice(chunk.token_start, chunk.token_end)
+logits = ix.fp8_fp4_mqa_logits((q[sl], None), (kq, ks_), w[sl], chunk.cu_seqlen_ks,
+                               chunk.cu_seqlen_ke, False)
+n = torch.arange(logits.shape[1])
+visible = (n[None, :] >= chunk.cu_seqlen_ks[:, None]) & (n[None, :] < chunk.cu_seqlen_ke[:, None])
+local[sl] = _topk_indices_torch(logits.masked_fill(~visible, float("-inf")), TOPK,
+                                row_starts=chunk.cu_seqlen_ks)
+
+bad = []
+for t, (p, r) in enumerate(zip(sc["pos"], sc["req"])):
+    kd = qk[r][0][: p + 1].double() * qk[r][1][: p + 1].double()[:, None]
+    ref = ((q[t].double() @ kd.T).clamp_min(0) * w[t].double()[:, None]).sum(0)
+    k = min(TOPK, p + 1)
+    thr = torch.sort(ref, descending=True).values[k - 1]   # ties at the threshold (ReLU zeros) may
+    must = set(torch.nonzero(ref > thr).flatten().tolist())  # go either way; nothing else may
+    got = local[t][local[t] >= 0].tolist()
+    ok = (len(got) == k == len(set(got)) and must <= set(got)
+          and all(0 <= i <= p and ref[i] >= thr for i in got))
+    if not ok:
+        bad.append([t, p, r, len(got), k, sorted(must - set(got))[:5]])
+print(json.dumps({"bad": bad, "ks": chunk.cu_seqlen_ks.tolist()[:3] + chunk.cu_seqlen_ks.tolist()[-3:],
+                  "ke": chunk.cu_seqlen_ke.tolist()[:3] + chunk.cu_seqlen_ke.tolist()[-3:],
+                  "rows": T}))
+"""
+
+
+def test_indexer_path_selects_the_dense_topk(staged):
+    """The Triton indexer logits called exactly as vLLM 0.23.0's sparse_attn_indexer calls them
+    (decode: paged cache + [B, 1] context lengths; prefill: a two-request chunk laid out like vLLM's
+    prefill chunk metadata, the second request starting at ks > 0), fed to the top-k contract,
+    give every token the top-k set of a dense float64 scoring of positions 0..p of its request."""
+    out = run_json(staged, INDEXER)
+    assert out["bad"] == [], out
+    assert out["ks"][-1] > 0 and out["rows"] == 62
