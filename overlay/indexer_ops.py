@@ -13,19 +13,43 @@ the running vLLM release (0.16.0: `fp8_mqa_logits`, `fp8_paged_mqa_logits`; 0.23
 
 `fill_paged_mqa_logits_metadata` replaces the decode builder's DeepGEMM scheduling call; on the
 Triton path it never touches DeepGEMM.
+
+Diagnostics: `DSA_OVERLAY_INDEXER=triton` sends the indexer to the Triton kernels while leaving the
+attention backend choice alone (e.g. FLASHMLA_SPARSE attention + Triton indexer on a Hopper GPU, to
+isolate a mismatch); `auto` or unset is the normal dispatch above.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 DEEP_GEMM_INDEX_HEADS = (32, 64)
 DEEP_GEMM_MAJORS = (9, 10)
+INDEXER_ENV = "DSA_OVERLAY_INDEXER"
 
 
-def deep_gemm_usable_for(capability_major: int | None, installed: bool, portable: bool) -> bool:
+def forced_triton(environ=None) -> bool:
+    """`DSA_OVERLAY_INDEXER=triton`: Triton logits whatever the attention backend (diagnostics)."""
+    env = os.environ if environ is None else environ
+    value = env.get(INDEXER_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return False
+    if value == "triton":
+        return True
+    raise ValueError(
+        f"{INDEXER_ENV}={env.get(INDEXER_ENV)!r} is not understood; set it to triton (force the "
+        "Triton indexer kernels) or auto / unset it"
+    )
+
+
+def deep_gemm_usable_for(
+    capability_major: int | None, installed: bool, portable: bool, force_triton: bool = False
+) -> bool:
     """Pure part of the decision (unit-tested): may the indexer use DeepGEMM on this device?"""
-    return installed and not portable and capability_major in DEEP_GEMM_MAJORS
+    return (
+        installed and not portable and not force_triton and capability_major in DEEP_GEMM_MAJORS
+    )
 
 
 @functools.cache
@@ -42,7 +66,9 @@ def use_deep_gemm() -> bool:
     except ImportError:  # older layouts
         from vllm.utils.deep_gemm import has_deep_gemm
     cap = current_platform.get_device_capability()
-    return deep_gemm_usable_for(cap.major if cap else None, has_deep_gemm(), portable_switch())
+    return deep_gemm_usable_for(
+        cap.major if cap else None, has_deep_gemm(), portable_switch(), forced_triton()
+    )
 
 
 def logits_available() -> bool:

@@ -19,6 +19,14 @@ def test_deep_gemm_usable_for(major, installed, portable, usable):
     assert ix.deep_gemm_usable_for(major, installed, portable) is usable
 
 
+def test_forced_triton_switch():
+    assert not ix.forced_triton({}) and not ix.forced_triton({"DSA_OVERLAY_INDEXER": "auto"})
+    assert ix.forced_triton({"DSA_OVERLAY_INDEXER": " Triton "})
+    with pytest.raises(ValueError, match="DSA_OVERLAY_INDEXER='deepgem'"):
+        ix.forced_triton({"DSA_OVERLAY_INDEXER": "deepgem"})
+    assert not ix.deep_gemm_usable_for(9, True, False, force_triton=True)
+
+
 class Recorder(types.SimpleNamespace):
     def __init__(self, name, meta_shape=None):
         super().__init__()

@@ -1,0 +1,96 @@
+"""Pure helpers of bench/e2e_proof.py (dump comparison, kernel-path check) on CPU tensors."""
+
+import torch
+
+from bench import e2e_proof as E
+
+
+def _dump(path, calls):
+    torch.save(calls, path)
+    return str(path)
+
+
+def test_compare_dumps_splits_layers_and_positions(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    topk = 4
+    out = torch.randn(3, 2, 512, generator=g).to(torch.bfloat16)
+    # token 0: 2 valid (pos < topk); tokens 1, 2: full rows (pos >= topk)
+    idx = torch.tensor([[0, 1, -1, -1], [5, 2, 7, 1], [3, 4, 8, 9]], dtype=torch.int32)
+    ref = [{"layer": "l0", "topk": idx, "out": out}, {"layer": "l1", "topk": idx, "out": out}]
+    cand_idx = idx.clone()
+    cand_idx[2, 0] = 6                      # layer 1, token 2: one different position
+    cand_out = out.clone()
+    cand_out[1] = cand_out[1] * 1.5          # layer 1, token 1: wrong output
+    cand = [{"layer": "l0", "topk": idx[:, [1, 0, 2, 3]], "out": out},   # order does not matter
+            {"layer": "l1", "topk": cand_idx, "out": cand_out}]
+    d = E.compare_dumps(_dump(tmp_path / "c.pt", cand), _dump(tmp_path / "r.pt", ref), topk)
+    rows = {(r["layer"], r["span"]): r for r in d["rows"]}
+    assert rows["l0", "pos<topk"]["same_set"] == 1.0 and rows["l0", "pos>=topk"]["err_max"] == 0
+    assert rows["l1", "pos>=topk"]["same_set"] == 0.5
+    assert abs(rows["l1", "pos>=topk"]["overlap"] - 0.875) < 1e-9
+    assert abs(rows["l1", "pos>=topk"]["err_max"] - 0.5) < 1e-2
+    short = E.compare_dumps(_dump(tmp_path / "s.pt", cand[:1]), str(tmp_path / "r.pt"), topk)
+    assert "schedules differ" in short["error"]
+
+
+def test_kernels_ok_per_path():
+    r = {"vendor_calls": {"flashmla.flash_mla_sparse_fwd": 3, "deep_gemm.fp8_fp4_mqa_logits": 2,
+                          "deep_gemm.get_paged_mqa_logits_metadata": 1},
+         "triton_calls": {"sparse_mla.sparse_mla_attention": 0, "indexer.fp8_fp4_mqa_logits": 0}}
+    assert E.kernels_ok("upstream", r) and not E.kernels_ok("triton", r)
+    mix = {"vendor_calls": {"flashmla.flash_mla_sparse_fwd": 0, "deep_gemm.fp8_fp4_mqa_logits": 2,
+                            "deep_gemm.get_paged_mqa_logits_metadata": 1},
+           "triton_calls": {"sparse_mla.sparse_mla_attention": 4, "indexer.fp8_fp4_mqa_logits": 0}}
+    assert E.kernels_ok("attn_triton", mix) and not E.kernels_ok("idx_triton", mix)
+    # the Triton path's decode builder may still be counted calling DeepGEMM's metadata: never
+    tri = {"vendor_calls": {"deep_gemm.get_paged_mqa_logits_metadata": 1},
+           "triton_calls": {"sparse_mla.sparse_mla_attention": 4, "indexer.fp8_fp4_mqa_logits": 2}}
+    assert not E.kernels_ok("triton", tri)
+
+
+def test_default_runs_put_tok_s_last_and_cover_comparisons():
+    names = [r[0] for r in E.RUNS]
+    assert all(r[5] for r in E.RUNS[-2:]) and not any(r[5] for r in E.RUNS[:-2])
+    for runs, comps in ((E.RUNS, E.COMPARISONS), (E.ISOLATE_RUNS, E.ISOLATE_COMPARISONS)):
+        have = {r[0] for r in runs}
+        assert all(c in have and r in have for c, r, _ in comps)
+        assert all(r[2] in E.PATHS for r in runs)
+    assert len(set(names)) == len(names)
+
+
+def test_run_all_order_parallelism_and_memory_race_retry(monkeypatch):
+    """Shared runs start `parallel` at a time with a small memory share; tok/s runs run alone with
+    0.5; a run that lost a memory race is retried alone."""
+    started, live, peak = [], [0], [0]
+    tried = {}
+
+    class Proc:
+        def __init__(self, spec):
+            self.spec = spec
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+
+    def start(spec, pp):
+        started.append((spec["name"], spec["mem"], live[0]))
+        return Proc(spec)
+
+    def finish(proc, t0, timeout):
+        live[0] -= 1
+        name = proc.spec["name"]
+        tried[name] = tried.get(name, 0) + 1
+        if name == "b" and tried[name] == 1:
+            return {"error": "exit 1", "log": "Error in memory profiling. Initial free memory"}
+        return {"tokens": [], "wall_s": 1.0}
+
+    monkeypatch.setattr(E, "start_worker", start)
+    monkeypatch.setattr(E, "finish_worker", finish)
+    monkeypatch.setattr(E.time, "sleep", lambda s: None)
+    runs = [("a", "m", "triton", "auto", False, False), ("b", "m", "triton", "auto", False, False),
+            ("c", "m", "triton", "auto", False, False), ("t", "m", "upstream", "auto", True, True)]
+    res = E.run_all(runs, lambda run, mem: {"name": run[0], "mem": mem}, lambda run: "",
+                    E.time.perf_counter(), parallel=2)
+    assert [s[0] for s in started] == ["a", "b", "c", "t", "b"]
+    assert peak[0] == 2
+    assert [s[1] for s in started] == [0.4, 0.4, 0.4, 0.5, 0.5]
+    assert started[3][2] == 0 and started[4][2] == 0          # alone on the GPU
+    assert all("error" not in r for r in res.values())
