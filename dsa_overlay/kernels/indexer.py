@@ -447,15 +447,18 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
     # The per-request walk (q hoisted, pipelined tile loop) fits the registers only on sm_90 up to
     # 128 MMA columns; elsewhere the flat one-item-per-iteration loop (spill-free, cross-compiled).
     nested = fam == "interp" or (fam == "hopper" and t * hp <= 128)
+    # H200 focus run (bench/results/h200-indexer-focus-run2.md): prefetching the per-key scales one tile
+    # ahead lifts the large-tile walk from 0.78-0.79x to 0.87-0.89x DeepGEMM; with the small tile it loses.
+    ahead = fam == "hopper" and nested and block_n == bn_large
     return dict(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, num_warps=warps, num_stages=stages,
-                per_sm=per_sm, SCALES_AHEAD=False, HOIST_Q=nested, NESTED=nested,
+                per_sm=per_sm, SCALES_AHEAD=ahead, HOIST_Q=nested, NESTED=nested,
                 DOT_MODE=dot_mode_for_capability(capability))
 
 
 def launch_configs(capability) -> list[tuple[str, dict]]:
     """Every (kernel name, config) the launchers can pick on `capability`: all head counts up to
     MAX_HEADS, every next_n (next_n > 2 reuses T = 2), small and large decode tiles, and on sm_89+
-    the scale-prefetching decode variant (SCALES_AHEAD, off by default until measured).  Used by the cross-compile test to check shared memory and spills."""
+    the scale-prefetching decode variant (SCALES_AHEAD; the sm_90 default for the large tile).  Used by the cross-compile test to check shared memory and spills."""
     out, seen = [], set()
     hp = 16
     while hp <= MAX_HEADS:

@@ -109,7 +109,8 @@ def test_json_output_of_every_command(tree):
     applied = json.loads(cli("--vllm-site-packages", site, "--json").stdout)
     assert applied["action"] == "apply" and applied["changed"] is True
     rolled = json.loads(cli("rollback", "--vllm-site-packages", site, "--json").stdout)
-    assert rolled["changed"] is True and rolled["restored"] == [p.target for p in manifest.load(tree.version).patches]
+    assert rolled["changed"] is True and sorted(rolled["restored"]) == sorted(
+        p.target for p in manifest.load(tree.version).patches)
     dry = json.loads(cli("--vllm-site-packages", site, "--json", "--dry-run").stdout)
     assert dry["action"] == "dry-run" and dry["diff"].startswith("--- a/vllm/")
     tree.assert_pristine()
