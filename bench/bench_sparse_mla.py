@@ -62,12 +62,15 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)
 FOCUS_SHAPES = [("bf16", 128, 128, False), ("bf16", 4096, 64, True), ("bf16", 128, 64, False),
                 ("fp8_ds_mla", 128, 64, False), ("bf16", 1, 64, False), ("fp8_ds_mla", 1, 64, False),
                 ("fp8_ds_mla", 1, 8, False), ("bf16", 32, 64, False), ("bf16", 128, 16, False),
-                ("fp8_ds_mla", 32, 16, False), ("fp8_ds_mla", 128, 16, False)]
+                ("fp8_ds_mla", 32, 16, False), ("fp8_ds_mla", 128, 16, False),
+                ("bf16", 8, 64, False), ("bf16", 128, 8, False)]
 RUN1 = {  # label: (run-1 heuristic config, us, run-1 best-of-sweep config, us)
     "bf16 T=1 H=64": ("h64n32s64w8p2", 19.3, "h16n64s32w8p2", 12.9),
     "fp8_ds_mla T=1 H=64": ("h64n32s64w8p2", 20.9, "h16n64s32w8p2", 16.7),
     "fp8_ds_mla T=1 H=8": ("h16n64s32w8p2", 15.3, "h16n64s32w8p2", 15.3),
     "bf16 T=128 H=16": ("h16n64s1w8p2", 135.9, "h16n64s2w4p2", 99.8),
+    "bf16 T=128 H=8": ("h16n64s1w8p2", 136.0, "h16n64s2w4p2", 97.1),
+    "bf16 T=8 H=64": ("h64n32s16w8p2", 28.8, "h64n64s16w8p3", 26.3),
     "fp8_ds_mla T=32 H=16": ("h16n64s4w8p2", 65.8, "h16n32s8w4p2", 57.8),
     "fp8_ds_mla T=128 H=16": ("h16n64s1w8p2", 214.7, "h16n32s2w4p2", 186.1),
     "bf16 T=32 H=64": ("h64n32s4w8p2", 79.5, "h64n64s4w8p3", 62.6),
@@ -571,9 +574,12 @@ def main():
           "`d2` = the 512 value columns split over 2 programs (each recomputes the scores, half the fp32 "
           "accumulator), `f` = fp8 tile scales applied to the scores/P after/before the dots instead of "
           "dequantising the tile. run 1 = the same config's time in bench/results/h200-sparse_mla-run1.md "
-          "(if it was timed there); since run 1 the split merge (every config with s > 1) is one pass over "
-          "<= 32 splits instead of two loops of 8, so the same config's run-1 vs now difference at s > 1 "
-          "is that change. vs FlashMLA = FlashMLA us / ours (> 1: ours faster). A variant that "
+          "(if it was timed there). The split merge (every config with s > 1) is one pass now (run 1: two "
+          "loops over chunks of 8 splits); up to 16 splits it keeps run 1's layout (one program per "
+          "(token, head) row over 512 columns, splits reduced inside each thread), so a config with "
+          "2 <= s <= 16 should be no slower than its run-1 time (runs 2-3 merged 4-32 x 128-column tiles "
+          "with 4 programs per row and a shared-memory reduction: ~11 ns more per row); above 16 splits "
+          "it is runs 2-3's 32 x 128 merge (their batch-1 gain). vs FlashMLA = FlashMLA us / ours (> 1: ours faster). A variant that "
           "beats the heuristic by > 3% on a shape class should replace that table entry in "
           "dsa_overlay/kernels/sparse_mla.py (_TILE_TABLE / _LATENCY_TILE); every FOCUS_TILES entry is "
           "already cross-compiled for sm_90 without spills by the CPU tests.\n\n"

@@ -20,7 +20,8 @@ Q.K^T) and K (for P.V); the 512-wide nope part is handled as four 128-wide tiles
 quantisation tile, so dequantisation (uint8 -> float8e4nv -> x per-row tile scale) happens in registers
 right after the gather. Online softmax runs in fp32 with exp2. With ``num_splits > 1`` every split writes
 a normalised fp32 partial output and its lse, and a second small kernel merges the splits by lse (one
-pass with an online max, 32 splits x 128 columns per program and step).
+pass with an online max; one program per row over all 512 columns, the split reduction inside each
+thread, up to 16 splits; 32 splits x 128 columns, four programs per row, above that).
 Two constexpr variants, chosen per table tile (SparseMLAConfig): ``dv_split=2`` gives each row's 512 output
 columns to two programs (each recomputes the 576-wide scores; half the fp32 accumulator), and
 ``fp8_post_scale`` applies the fp8 tile scales to the [heads, rows] scores and to P instead of to the
@@ -59,12 +60,15 @@ FP8_TILE = 128  # fp8_ds_mla quantisation tile (one float32 scale per 128 values
 FP8_DS_MLA_BYTES = KV_LORA_RANK + 4 * (KV_LORA_RANK // FP8_TILE) + 2 * ROPE_DIM  # 512 + 16 + 128 = 656
 KV_FORMATS = ("bf16", "fp8_ds_mla")
 
-# Split merge: CHUNK_S splits x BLOCK_D columns per program and loop step (32 x 128 fp32: 32 registers a
-# thread at 4 warps); the heuristic never emits more than 32 splits at the top-k of 2048 (BLOCK_N 64).
-# CHUNK_S is the smallest of these that holds the split count (any count still works: the kernel loops),
-# so a 2- or 4-way split does not pay for 32 masked lanes; three variants at most are ever compiled.
-_COMBINE_CHUNKS = (4, 8, 32)
-_COMBINE_BLOCK_D = 128
+# Split merge launch buckets: (max splits, CHUNK_S, BLOCK_D), the first that holds the split count.
+# Up to 16 splits: one program per (token, head) row over all 512 columns, the split reduction inside each
+# thread (run 1's layout, which measured fine at mid batch), in one memory round trip instead of run 1's
+# two. Above 16 splits (the latency regime, T*H small; 32 splits at T = 1): 32 splits x 128 columns, four
+# programs per row (run 2's batch-1 merge, 10.2-11.2 us at T = 1). The heuristic never emits more than 32
+# splits at the top-k of 2048; any count works (the kernel loops over chunks). Runs 2-3 used 4/8/32 x 128
+# tiles for every split count: 4 programs per row and a shared-memory split reduction (3 barriers), which
+# cost ~11 ns more per (token, head) row on the H200 than run 1's merge at 2-8 splits.
+_COMBINE_BUCKETS = ((2, 2, 512), (4, 4, 512), (8, 8, 512), (16, 16, 512), (None, 32, 128))
 _TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -270,10 +274,13 @@ def _sparse_mla_combine_kernel(
     512 output columns (program axis 1).
 
     One pass with an online max: each chunk of CHUNK_S splits loads its lse values and its [CHUNK_S,
-    BLOCK_D] partial tile together (independent loads, one memory round trip per chunk; with the
-    heuristic's split counts, <= CHUNK_S, a single chunk). CHUNK_S is fixed, so a new split count never
-    recompiles. Every split's partial is written by the forward kernel (zeros for an empty split, whose
-    lse is -inf and weight 0)."""
+    BLOCK_D] partial tile together (independent loads, one memory round trip per chunk; the launcher picks
+    CHUNK_S >= the split count, so a single chunk). With BLOCK_D = 512 at 4 warps, Triton puts the warps
+    on the columns and the split axis inside each thread: the reduction over splits is register adds, with
+    no shared memory and no barrier (BLOCK_D = 128 puts the warps on the split axis instead: a
+    shared-memory reduction, kept only for > 16 splits, where rows are few). CHUNK_S is fixed per bucket,
+    so a new split count never recompiles. Every split's partial is written by the forward kernel (zeros
+    for an empty split, whose lse is -inf and weight 0)."""
     pid = tl.program_id(0)
     pd = tl.program_id(1)
     t = pid // H
@@ -648,16 +655,18 @@ def sparse_mla_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
-        _sparse_mla_combine_kernel[(T * H, KV_LORA_RANK // _COMBINE_BLOCK_D)](
+        chunk, block_d = _combine_bucket(num_splits)
+        _sparse_mla_combine_kernel[(T * H, KV_LORA_RANK // block_d)](
             po, plse, out, lse, H, num_splits,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            CHUNK_S=_combine_chunk(num_splits), BLOCK_D=_COMBINE_BLOCK_D, num_warps=4,
+            CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1,
         )
     return out, lse
 
 
-def _combine_chunk(num_splits: int) -> int:
-    return next((c for c in _COMBINE_CHUNKS if num_splits <= c), _COMBINE_CHUNKS[-1])
+def _combine_bucket(num_splits: int) -> tuple[int, int]:
+    """(CHUNK_S, BLOCK_D) of the split merge for a split count (see _COMBINE_BUCKETS)."""
+    return next((c, bd) for max_s, c, bd in _COMBINE_BUCKETS if max_s is None or num_splits <= max_s)
 
 
 def dequantize_fp8_ds_mla(kv_rows: torch.Tensor) -> torch.Tensor:

@@ -224,9 +224,9 @@ CASES = [
     (8, "fp8_ds_mla", 5, 130, 2, 16, "h16n32s4w4p2"),
     (9, "fp8_ds_mla", 16, 37, 2, 1, None),
     (10, "fp8_ds_mla", 33, 64, 1, 64, "h32n16s2w8p2"),
-    (11, "bf16", 3, 200, 2, 16, "h16n16s13w4p2"),
+    (11, "bf16", 3, 200, 2, 16, "h16n16s13w4p2"),  # the 16-wide merge bucket
     (18, "bf16", 2, 700, 2, 16, "h16n16s40w4p2"),  # more splits than one merge chunk (32)
-    (19, "bf16", 4, 150, 2, 16, "h16n16s6w4p2"),  # the 8-wide merge chunk (2-4 splits: 4-wide, 9-32: 32-wide)
+    (19, "bf16", 4, 150, 2, 16, "h16n16s6w4p2"),  # the 8-wide merge bucket (see _COMBINE_BUCKETS)
     (12, "fp8_ds_mla", 2, 300, 1, 64, "h16n16s19w4p2"),
     # value-dimension split (two programs per row) and fp8 scales applied after the dots
     (13, "bf16", 19, 70, 2, 16, "h16n32s2w4p2d2"),
@@ -438,3 +438,22 @@ def test_merge_when_a_whole_first_chunk_of_splits_is_empty(fmt):
     out, lse = run_poisoned(q, cache, idx, 0.1, fmt, config=M.SparseMLAConfig(16, 16, 40, 4, 2))
     ro, rl = M.sparse_mla_reference(q, cache, idx, 0.1, fmt)
     check_against(out, lse, ro, rl)
+
+
+def test_kernel_cases_cover_every_merge_bucket():
+    """Every split-merge launch bucket (CHUNK_S, BLOCK_D) is run by at least one CASES entry, and the
+    bucket holds its split count in one chunk except for the last (any count, several chunks)."""
+    hit = set()
+    for _, _, _, topk, _, _, cfg in CASES:
+        if cfg is None:
+            continue
+        c = M.SparseMLAConfig.from_string(cfg)
+        s = max(1, min(c.num_splits, -(-topk // c.block_n)))
+        split_len = -(-(-(-topk // s)) // c.block_n) * c.block_n
+        s = -(-topk // split_len)  # as the launcher re-derives it
+        if s > 1:
+            chunk, block_d = M._combine_bucket(s)
+            assert 512 % block_d == 0
+            assert s <= chunk or (chunk, block_d) == M._COMBINE_BUCKETS[-1][1:]
+            hit.add((chunk, block_d))
+    assert hit == {b[1:] for b in M._COMBINE_BUCKETS}, f"buckets not exercised: {hit}"

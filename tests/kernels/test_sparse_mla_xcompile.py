@@ -73,13 +73,13 @@ def _worker(cc: int) -> None:
                                       shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
                                       spill_stores=c.spill_stores, spill_loads=c.spill_loads)), flush=True)
     ptrs = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
-    for chunk in M._COMBINE_CHUNKS:
+    for _, chunk, block_d in M._COMBINE_BUCKETS:
         c = cross_compile(M._sparse_mla_combine_kernel, _signature(M._sparse_mla_combine_kernel, ptrs),
-                          {"CHUNK_S": chunk, "BLOCK_D": M._COMBINE_BLOCK_D}, cc,
-                          num_warps=4, num_stages=2, divisible_by_16=("po_ptr", "out_ptr", "stride_ot", "stride_oh"))
-        print(json.dumps(dict(kernel="combine", cc=cc, fmt="-", tile=[chunk], split=True, shared=c.shared,
-                              limit=SHARED_LIMIT[cc], regs=c.registers, spill_stores=c.spill_stores,
-                              spill_loads=c.spill_loads)), flush=True)
+                          {"CHUNK_S": chunk, "BLOCK_D": block_d}, cc,
+                          num_warps=4, num_stages=1, divisible_by_16=("po_ptr", "out_ptr", "stride_ot", "stride_oh"))
+        print(json.dumps(dict(kernel="combine", cc=cc, fmt="-", tile=[chunk, block_d], split=True,
+                              shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
+                              spill_stores=c.spill_stores, spill_loads=c.spill_loads)), flush=True)
 
 
 @pytest.mark.parametrize("cc", sorted(TARGETS), ids=[f"sm_{c}" for c in sorted(TARGETS)])
