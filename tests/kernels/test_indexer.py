@@ -10,13 +10,10 @@ read (the tail of a last block, unused blocks, unused block-table entries) holds
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import pathlib
-import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module's @triton.jit runs
+from tests.kernels._interp import load_interpreted  # sets TRITON_INTERPRET=1 before triton is imported
 
 import pytest
 import torch
@@ -27,40 +24,7 @@ D = 128
 FP8 = torch.float8_e4m3fn
 
 
-def _numpy24_interpreter_fix() -> None:
-    """Triton <= 3.6's interpreter converts a scalar to int with `int(array of shape (1,))`, which
-    numpy >= 2.4 rejects, so every `for i in range(runtime_value)` fails on the CPU
-    (triton-lang/triton#9171, fixed after 3.6).  Convert through the single element instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_indexer_numpy24_fix", False):
-        return
-
-    def index(self):
-        return int(self.handle.data.reshape(-1)[0])
-
-    def patched(tensor, *scope):   # Triton 3.6 passes a patch scope, 3.5 sets attributes directly
-        original(tensor, *scope)
-        if scope:
-            scope[0].set_attr(tensor, "__index__", index)
-        else:
-            tensor.__index__ = index
-
-    patched._indexer_numpy24_fix = True
-    interpreter._patch_lang_tensor = patched
-
-
-def _load_interpreted():
-    spec = importlib.util.spec_from_file_location("_indexer_interpreted", KERNEL_FILE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_numpy24_interpreter_fix()
-ix = _load_interpreted()
+ix = load_interpreted(KERNEL_FILE, "_indexer_interpreted")
 MODES = [ix.DOT_FP32, ix.DOT_BYTES_FP32]  # fp8 loads upcast / e4m3 bytes decoded (sm_80/86 path)
 
 

@@ -7,14 +7,12 @@ a subprocess). Shapes are small and drawn fresh from a seeded generator per test
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import pathlib
 import random
-import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates the kernels below
+from tests.kernels._interp import load_interpreted  # sets TRITON_INTERPRET=1 before triton is imported
 
 import pytest
 import torch
@@ -23,41 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL_FILE = ROOT / "dsa_overlay" / "kernels" / "sparse_mla.py"
 
 
-def _numpy2_interpreter_shim() -> None:
-    """Triton 3.5/3.6's interpreter turns a scalar into an int with ``int(ndarray of shape (1,))``,
-    which numpy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python scalars"), so any
-    ``for i in range(runtime_value)`` in a kernel fails on the CPU. Convert via the single element."""
-    from triton.runtime import interpreter as interp
-
-    orig = interp._patch_lang_tensor
-    if getattr(orig, "_dsa_numpy2_shim", False):
-        return
-
-    def index(self):
-        return int(self.handle.data.reshape(-1)[0])
-
-    def patched(tensor, *scope):  # Triton 3.6 passes a patch scope, 3.5 patches the class directly
-        orig(tensor, *scope)
-        if scope:
-            scope[0].set_attr(tensor, "__index__", index)
-        else:
-            tensor.__index__ = index
-
-    patched._dsa_numpy2_shim = True
-    interp._patch_lang_tensor = patched
-
-
-def _load_interpreted_module():
-    spec = importlib.util.spec_from_file_location("_sparse_mla_interpreted", KERNEL_FILE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    assert type(mod._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
-    return mod
-
-
-_numpy2_interpreter_shim()
-M = _load_interpreted_module()
+M = load_interpreted(KERNEL_FILE, "_sparse_mla_interpreted")
+assert type(M._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
 
 NAN_BYTE = 0xFF  # NaN as float8_e4m3fn, as float32 (0xFFFFFFFF) and as bfloat16 (0xFFFF)
 
