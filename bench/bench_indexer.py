@@ -47,21 +47,9 @@ if CPU_SMOKE:
 from dsa_overlay.kernels import indexer as ours  # noqa: E402
 
 if CPU_SMOKE:  # Triton <= 3.6 interpreter vs numpy >= 2.4 (triton-lang/triton#9171)
-    from triton.runtime import interpreter as _interp
+    from tests.kernels._interp import numpy24_fix
 
-    _orig_patch = _interp._patch_lang_tensor
-
-    def _index(self):
-        return int(self.handle.data.reshape(-1)[0])
-
-    def _patched(tensor, *scope):
-        _orig_patch(tensor, *scope)
-        if scope:
-            scope[0].set_attr(tensor, "__index__", _index)
-        else:
-            tensor.__index__ = _index
-
-    _interp._patch_lang_tensor = _patched
+    numpy24_fix()
 
 D = 128
 HEADS = 32

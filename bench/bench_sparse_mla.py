@@ -41,6 +41,7 @@ if SMOKE:
 DEVICE = "cpu" if SMOKE else "cuda"
 
 from dsa_overlay.kernels import sparse_mla as SM  # noqa: E402
+from tests.kernels._fp8_ds_mla import quantize_fp8_ds_mla  # noqa: E402
 
 BYTES_PER_TOKEN = {"bf16": 1152, "fp8_ds_mla": 656}
 NUM_SLOTS = 262144
@@ -209,21 +210,6 @@ def copy_bandwidth_tbps() -> float:
 # ----------------------------------------------------------------------------------------------------
 # data
 # ----------------------------------------------------------------------------------------------------
-def quantize_fp8_ds_mla(x: torch.Tensor) -> torch.Tensor:
-    """[N, 576] float -> [N, 656] uint8 fp8_ds_mla rows (4 x 128 e4m3 tiles with amax/448 float32
-    scales, then 64 bf16 rope values)."""
-    n = x.shape[0]
-    nope = x[:, :512].float().view(n, 4, 128)
-    amax = nope.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    f8 = (nope / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    out = torch.empty(n, 656, dtype=torch.uint8, device=x.device)
-    out[:, :512] = f8.view(n, 512).view(torch.uint8)
-    out[:, 512:528] = scale.contiguous().view(torch.uint8).view(n, 16)
-    out[:, 528:] = x[:, 512:].to(torch.bfloat16).contiguous().view(torch.uint8).view(n, 128)
-    return out
-
-
 def make_pools(seed: int):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     bf16 = torch.empty(NUM_SLOTS, 576, dtype=torch.bfloat16, device=DEVICE)
@@ -232,7 +218,7 @@ def make_pools(seed: int):
     for i in range(0, NUM_SLOTS, step):
         x = torch.randn(step, 576, generator=g, device=DEVICE)
         bf16[i:i + step] = x.to(torch.bfloat16)
-        fp8[i:i + step] = quantize_fp8_ds_mla(x)
+        fp8[i:i + step] = quantize_fp8_ds_mla(x)[0]
     nb = NUM_SLOTS // BLOCK_SIZE
     return {"bf16": bf16.view(nb, BLOCK_SIZE, 576), "fp8_ds_mla": fp8.view(nb, BLOCK_SIZE, 656)}
 
@@ -315,25 +301,6 @@ def sweep_configs(fmt, T, H, topk, sm_count, heuristic, prefill):
     return out
 
 
-def _interpreter_numpy2_shim():
-    """Triton 3.5/3.6's interpreter does int(ndarray of shape (1,)), which numpy >= 2.4 rejects."""
-    from triton.runtime import interpreter as interp
-
-    orig = interp._patch_lang_tensor
-
-    def index(self):
-        return int(self.handle.data.reshape(-1)[0])
-
-    def patched(tensor, *scope):
-        orig(tensor, *scope)
-        if scope:
-            scope[0].set_attr(tensor, "__index__", index)
-        else:
-            tensor.__index__ = index
-
-    interp._patch_lang_tensor = patched
-
-
 def fmt_us(x):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
 
@@ -366,7 +333,9 @@ def main():
     t_start = time.time()
     global NUM_SLOTS, FLUSH_BYTES
     if SMOKE:
-        _interpreter_numpy2_shim()
+        from tests.kernels._interp import numpy24_fix
+
+        numpy24_fix()
         NUM_SLOTS, FLUSH_BYTES = 1024, 1 << 20
         dev_name, cap, sm_count, mem_gib = "CPU (Triton interpreter smoke run)", (9, 0), 132, 0
     else:

@@ -15,10 +15,13 @@ tensor), scores positions 0..p itself and selects its own top-k, then attends ov
 import json
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from tests import vllm_envs
+
+KERNEL_TESTS = Path(__file__).resolve().parents[1] / "kernels"  # shared interpreter fix and fp8_ds_mla codec
 
 
 @pytest.fixture(scope="module", params=["0.23.0"])
@@ -29,7 +32,8 @@ def staged(request, tmp_path_factory):
 def run_json(staged, code, timeout=600):
     python, root, env = staged
     env = dict(env, TRITON_INTERPRET="1")
-    proc = subprocess.run([str(python), "-c", textwrap.dedent(PRELUDE + code)], env=env,
+    prelude = PRELUDE.replace("@KERNEL_TESTS@", str(KERNEL_TESTS))
+    proc = subprocess.run([str(python), "-c", textwrap.dedent(prelude + code)], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=str(root))
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -39,20 +43,18 @@ PRELUDE = """
 import json, math, types
 import torch
 
-def _numpy2_interpreter_shim():
-    # Triton 3.5/3.6's interpreter calls int() on 1-element arrays, which numpy >= 2.4 rejects.
-    from triton.runtime import interpreter as interp
-    orig = interp._patch_lang_tensor
-    def index(self):
-        return int(self.handle.data.reshape(-1)[0])
-    def patched(tensor, *scope):
-        orig(tensor, *scope)
-        if scope:
-            scope[0].set_attr(tensor, "__index__", index)
-        else:
-            tensor.__index__ = index
-    interp._patch_lang_tensor = patched
-_numpy2_interpreter_shim()
+import importlib.util, sys
+
+def _load(name, path):
+    # the repository's own test helpers, by path (the venv's site-packages may hold an unrelated `tests`)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+_load("_dsa_interp", "@KERNEL_TESTS@/_interp.py").numpy24_fix()
+quantize_fp8_ds_mla = _load("_dsa_fp8_codec", "@KERNEL_TESTS@/_fp8_ds_mla.py").quantize_fp8_ds_mla
 
 BS = 64
 
@@ -87,21 +89,6 @@ from vllm._dsa_overlay import triton_mla_sparse as tms
 from vllm._dsa_overlay.kernels import sparse_mla as K
 
 assert type(K._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
-
-def quantize_fp8_ds_mla(x):
-    # test-side codec from the documented layout: -> (uint8 [N, 656], float64 [N, 576] exact values)
-    n = x.shape[0]
-    nope = x[:, :512].float().view(n, 4, 128)
-    amax = nope.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).float()
-    f8 = (nope / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    rope = x[:, 512:].to(torch.bfloat16)
-    packed = torch.empty(n, 656, dtype=torch.uint8)
-    packed[:, :512] = f8.view(n, 512).view(torch.uint8)
-    packed[:, 512:528] = scale.view(torch.uint8).view(n, 16)
-    packed[:, 528:] = rope.view(torch.uint8).view(n, 128)
-    exact = torch.cat([(f8.double() * scale.double()[..., None]).view(n, 512), rope.double()], 1)
-    return packed, exact
 
 H, TOPK, NUM_BLOCKS = 3, 40, 12
 SCALE = (192 + 64) ** -0.5 * 1.37   # qk_head_dim**-0.5 times a yarn-like mscale, not 576**-0.5

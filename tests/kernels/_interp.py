@@ -1,8 +1,8 @@
 """Load a kernel file under Triton's CPU interpreter, whatever this pytest process imported before.
 
-Generic helper for the kernel tests. Import it before anything imports triton: it sets TRITON_INTERPRET=1
-(read when @triton.jit decorates), and the cross-compile tests, which need compiled kernels, run in a
-subprocess without it.
+Generic helper for the kernel tests, the backend integration test and the benchmarks' --cpu-smoke runs.
+Importing it sets TRITON_INTERPRET=1 (read when @triton.jit decorates), so only CPU runs import it; the
+cross-compile tests, which need compiled kernels, run in a subprocess without it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "1"
 
 
-def _numpy24_fix() -> None:
+def numpy24_fix() -> None:
     """Triton 3.5/3.6's interpreter turns a scalar into an int with ``int(ndarray of shape (1,))``, which
     numpy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python scalars"), so every
     ``for i in range(runtime_value)`` in a kernel fails on the CPU (triton-lang/triton#9171, fixed after
@@ -42,7 +42,7 @@ def _numpy24_fix() -> None:
 
 def load_interpreted(path: Path, name: str):
     """Import the kernel file at `path` as a private module `name` with interpreted kernels."""
-    _numpy24_fix()
+    numpy24_fix()
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up there

@@ -13,6 +13,7 @@ import pathlib
 import random
 
 from tests.kernels._interp import load_interpreted  # sets TRITON_INTERPRET=1 before triton is imported
+from tests.kernels._fp8_ds_mla import quantize_fp8_ds_mla
 
 import pytest
 import torch
@@ -30,25 +31,6 @@ NAN_BYTE = 0xFF  # NaN as float8_e4m3fn, as float32 (0xFFFFFFFF) and as bfloat16
 # ------------------------------------------------------------------------------------------------
 # Test-side fp8_ds_mla codec, written from the layout description (not from the kernel module)
 # ------------------------------------------------------------------------------------------------
-def quantize_fp8_ds_mla(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, 576] -> (uint8 [N, 656] in the fp8_ds_mla layout, float64 [N, 576] exact dequantised values).
-
-    Bytes 0..511: 512 float8_e4m3fn, tile i = values 128i..128i+127 divided by scale_i = amax_i / 448;
-    bytes 512..527: the 4 scales as float32; bytes 528..655: the 64 rope values as bfloat16."""
-    n = x.shape[0]
-    nope = x[:, :512].float().view(n, 4, 128)
-    amax = nope.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).float()
-    f8 = (nope / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    rope = x[:, 512:].to(torch.bfloat16)
-    packed = torch.empty(n, 656, dtype=torch.uint8)
-    packed[:, :512] = f8.view(n, 512).view(torch.uint8)
-    packed[:, 512:528] = scale.view(torch.uint8).view(n, 16)
-    packed[:, 528:] = rope.view(torch.uint8).view(n, 128)
-    deq = torch.cat([(f8.double() * scale.double()[..., None]).view(n, 512), rope.double()], dim=1)
-    return packed, deq
-
-
 def make_cache(rng: torch.Generator, num_blocks: int, block_size: int, kv_format: str, *, pad: int = 0,
                scale: float = 1.0):
     """A paged cache [num_blocks, block_size, W] that is a strided view into a buffer whose padding rows
