@@ -37,7 +37,7 @@ What it does (each vLLM engine in its own subprocess, whole run < 8 minutes):
    by functions that raise; call counters prove which kernels ran.
 4. Writes a markdown report to --out (tables + pass/fail lines) and the raw JSON beside it.
 
-Time: runs without a tok/s measurement go first, up to --parallel (default 4) engines at once on the
+Time: runs without a tok/s measurement go first, up to --parallel (default 4; 6 in isolation mode) engines at once on the
 one GPU (each with a small memory share; a run that fails in vLLM's memory profiling because a
 neighbour started or stopped is retried alone at the end); the tok/s runs follow one at a time on
 an otherwise idle GPU. The TF logprob noise floor comes from upstream graphs vs upstream eager.
@@ -65,7 +65,14 @@ TIME_BUDGET_S = 430  # stop starting new engines after this (the whole run must 
 MODELS = {
     "glm5": dict(num_attention_heads=16, index_n_heads=32, index_topk=256),
     "odd": dict(num_attention_heads=12, index_n_heads=8, index_topk=200),
+    # model A with both layers dense: no MoE routing, whose discrete expert choice turns bf16
+    # noise into large logit jumps on a random model (isolation runs only)
+    "dense": dict(num_attention_heads=16, index_n_heads=32, index_topk=256,
+                  first_k_dense_replace=2),
 }
+# a run name ending in /c512 schedules prefill chunks of 512 tokens instead of 256: the same
+# kernels on a different batch composition, i.e. the bf16 noise of upstream itself
+CHUNK_SUFFIX = "/c512"
 
 # path: upstream = FLASHMLA_SPARSE + DeepGEMM; triton = DSA_OVERLAY_PORTABLE=1 (vendor kernels
 # raise); attn_triton = explicit TRITON_MLA_SPARSE + DeepGEMM indexer (switch off);
@@ -88,10 +95,14 @@ ISOLATE_RUNS = [
     ("glm5/triton/bf16/eager", "glm5", "triton", "auto", False, False),
     ("glm5/attn_triton/bf16/eager", "glm5", "attn_triton", "auto", False, False),
     ("glm5/idx_triton/bf16/eager", "glm5", "idx_triton", "auto", False, False),
-    ("glm5/upstream/bf16/graphs", "glm5", "upstream", "auto", True, False),
+    ("glm5/upstream/bf16/eager/c512", "glm5", "upstream", "auto", False, False),
+    ("dense/upstream/bf16/eager", "dense", "upstream", "auto", False, False),
+    ("dense/triton/bf16/eager", "dense", "triton", "auto", False, False),
+    ("dense/upstream/bf16/eager/c512", "dense", "upstream", "auto", False, False),
     ("glm5/upstream/fp8_ds_mla/eager", "glm5", "upstream", "fp8_ds_mla", False, False),
     ("glm5/triton/fp8_ds_mla/eager", "glm5", "triton", "fp8_ds_mla", False, False),
     ("glm5/attn_triton/fp8_ds_mla/eager", "glm5", "attn_triton", "fp8_ds_mla", False, False),
+    ("glm5/upstream/bf16/graphs", "glm5", "upstream", "auto", True, False),
 ]
 
 # (candidate run, reference run, what the comparison shows)
@@ -109,6 +120,12 @@ COMPARISONS = [
 ISOLATE_COMPARISONS = [
     ("glm5/upstream/bf16/graphs", "glm5/upstream/bf16/eager",
      "NOISE FLOOR: upstream graphs vs upstream eager, bf16"),
+    ("glm5/upstream/bf16/eager/c512", "glm5/upstream/bf16/eager",
+     "NOISE FLOOR: upstream, 512- vs 256-token prefill chunks, bf16"),
+    ("dense/upstream/bf16/eager/c512", "dense/upstream/bf16/eager",
+     "NOISE FLOOR, dense layers: upstream, 512- vs 256-token chunks, bf16"),
+    ("dense/triton/bf16/eager", "dense/upstream/bf16/eager",
+     "dense layers: Triton attn + Triton indexer, bf16"),
     ("glm5/triton/bf16/eager", "glm5/upstream/bf16/eager", "Triton attn + Triton indexer, bf16"),
     ("glm5/attn_triton/bf16/eager", "glm5/upstream/bf16/eager",
      "Triton attn + DeepGEMM indexer, bf16"),
@@ -222,7 +239,7 @@ def worker(spec: dict) -> dict:
 
     kwargs = dict(
         model=spec["model_dir"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-        max_model_len=1024, max_num_seqs=TPS_BATCH, max_num_batched_tokens=256,
+        max_model_len=1024, max_num_seqs=TPS_BATCH, max_num_batched_tokens=spec.get("chunk", 256),
         gpu_memory_utilization=spec.get("mem", 0.5), kv_cache_dtype=spec["kv"],
         enable_prefix_caching=False,
     )
@@ -290,15 +307,14 @@ def make_model(out_dir: Path, overrides: dict) -> None:
     import torch
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-    cfg = GlmMoeDsaConfig(
+    cfg = GlmMoeDsaConfig(**{**dict(
         vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
         num_hidden_layers=2, first_k_dense_replace=1, num_key_value_heads=overrides[
             "num_attention_heads"], n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=512, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, index_head_dim=128,
         max_position_embeddings=4096, initializer_range=0.1, bos_token_id=0, eos_token_id=1,
-        **overrides,
-    )
+    ), **overrides})
     torch.manual_seed(0)
     model = GlmMoeDsaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out_dir)
@@ -573,7 +589,7 @@ def main():
     ap.add_argument("--isolate", action="store_true",
                     help="component isolation runs (eager, with per-layer dumps) instead of the proof")
     ap.add_argument("--dump", action="store_true", help="per-layer dumps in the default proof too")
-    ap.add_argument("--parallel", type=int, default=4,
+    ap.add_argument("--parallel", type=int, default=None,
                     help="engines at once for runs without a tok/s measurement (1 = one at a time)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -591,8 +607,11 @@ def main():
     patched_pp, upstream_pp, how = prepare_vllm(args, log)
     explicit_upstream = patched_pp == upstream_pp  # same tree: ask for FLASHMLA_SPARSE by name
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dsa_proof_"))
+    runs = ISOLATE_RUNS if args.isolate else RUNS
     model_dirs = {}
     for name, overrides in MODELS.items():
+        if not any(r[1] == name for r in runs):
+            continue
         model_dirs[name] = work / name
         if not (model_dirs[name] / "config.json").exists():
             make_model(model_dirs[name], overrides)
@@ -603,7 +622,6 @@ def main():
     tf_sequences = [p + rand(GREEDY_STEPS) for p in prompts]
     tps_prompts = [rand(300 + 7 * i) for i in range(TPS_BATCH)]
 
-    runs = ISOLATE_RUNS if args.isolate else RUNS
     comparisons = ISOLATE_COMPARISONS if args.isolate else COMPARISONS
     if args.only:
         only = set(args.only.split(","))
@@ -614,14 +632,16 @@ def main():
 
     def make_spec(run, mem):
         name, model, path, kv, graphs, tps = run
+        chunked = name.endswith(CHUNK_SUFFIX)  # other schedule: its dumps cannot be compared
         return dict(model_dir=str(model_dirs[model]), path=path, kv=kv, graphs=graphs, tps=tps,
                     prompts=prompts, tf_sequences=tf_sequences, tps_prompts=tps_prompts,
-                    explicit_upstream=explicit_upstream, mem=mem,
-                    dump_path=str(dump_dir / (name.replace("/", "_") + ".pt")) if dumping else None)
+                    explicit_upstream=explicit_upstream, mem=mem, chunk=512 if chunked else 256,
+                    dump_path=str(dump_dir / (name.replace("/", "_") + ".pt"))
+                    if dumping and not chunked else None)
 
     results = run_all(runs, make_spec,
                       lambda run: upstream_pp if run[2] == "upstream" else patched_pp,
-                      t_start, max(1, args.parallel))
+                      t_start, max(1, args.parallel or (6 if args.isolate else 4)))
 
     dumps = {}
     if dumping:
