@@ -606,8 +606,21 @@ def plan(tensors: dict[str, TensorInfo], release: str | None = None) -> Plan:
             problems.append(f"blk.{bid}.ffn_gate_exps ({g.sources[0].type_name}) and blk.{bid}.ffn_up_exps "
                             f"({u.sources[0].type_name}) differ: vLLM's GGUF MoE needs one type for both; "
                             "re-quantize with the same type for gate and up experts")
-    entries.sort(key=lambda e: (e.layer if e.layer is not None else -1, e.hf_name))
+    entries.sort(key=_load_order)
     return Plan(entries, sorted(unmapped), problems)
+
+
+def _load_order(e: Entry) -> tuple:
+    """Per layer, by name, except that the shards of a fused layer follow its shard index: vLLM's
+    GGUF linear method concatenates the shard outputs in the order the shards were loaded (an
+    alphabetical kv_a_proj_with_mqa before q_a_proj swaps the halves of fused_qkv_a_proj)."""
+    layer = e.layer if e.layer is not None else -1
+    m = re.match(r"(model\.layers\.\d+\.)(.+)$", e.hf_name)
+    if m:
+        for group in FUSED_GROUPS:
+            if m.group(2) in group:
+                return layer, m.group(1) + group[0], group.index(m.group(2))
+    return layer, e.hf_name, 0
 
 
 # ----------------------------------------------------------------------------------------------
