@@ -18,7 +18,8 @@ indexer's top-k rows and the attention output (before W_UV). The report compares
 upstream per layer, split at position < index_topk / >= index_topk: top-k set agreement and output
 relative error. Layer 0 sees bit-identical inputs in every run, so there any top-k difference is
 an indexer bug and any output error above bf16 rounding (~4e-3) an attention bug; later layers
-inherit the differences of earlier ones. `--dump` adds the same dumps to the default proof.
+inherit the differences of earlier ones. The default proof dumps too (its layer-0 checks; `--no-dump`
+skips them).
 
 What it does (each vLLM engine in its own subprocess, whole run < 8 minutes):
 1. Patched vLLM: with `--apply` (and apply.py present) runs `apply.py --vllm-site-packages SITE`
@@ -37,7 +38,7 @@ What it does (each vLLM engine in its own subprocess, whole run < 8 minutes):
    by functions that raise; call counters prove which kernels ran.
 4. Writes a markdown report to --out (tables + pass/fail lines) and the raw JSON beside it.
 
-Time: runs without a tok/s measurement go first, up to --parallel (default 4; 6 in isolation mode) engines at once on the
+Time: runs without a tok/s measurement go first, up to --parallel (default 4) engines at once on the
 one GPU (each with a small memory share; a run that fails in vLLM's memory profiling because a
 neighbour started or stopped is retried alone at the end); the tok/s runs follow one at a time on
 an otherwise idle GPU. The TF logprob noise floor comes from upstream graphs vs upstream eager.
@@ -60,7 +61,7 @@ GREEDY_STEPS = 48
 MIN_IDENTICAL_STEPS = 32
 PROMPT_LENS = (300, 347, 433, 561)
 TPS_BATCH = 16
-TIME_BUDGET_S = 430  # stop starting new engines after this (the whole run must stay < 8 min)
+TIME_BUDGET_S = 470  # stop starting new engines after this (one device call: < 10 min in all)
 
 MODELS = {
     "glm5": dict(num_attention_heads=16, index_n_heads=32, index_topk=256),
@@ -80,15 +81,18 @@ CHUNK_SUFFIX = "/c512"
 PATHS = ("upstream", "triton", "attn_triton", "idx_triton")
 # (name, model, path, kv cache dtype, cuda graphs, measure tokens/s)
 RUNS = [
-    ("glm5/triton/bf16/eager", "glm5", "triton", "auto", False, False),
     ("glm5/upstream/bf16/eager", "glm5", "upstream", "auto", False, False),
+    ("glm5/triton/bf16/eager", "glm5", "triton", "auto", False, False),
+    ("glm5/upstream/bf16/eager/c512", "glm5", "upstream", "auto", False, False),
+    ("glm5/upstream/fp8_ds_mla/eager", "glm5", "upstream", "fp8_ds_mla", False, False),
+    ("glm5/triton/fp8_ds_mla/eager", "glm5", "triton", "fp8_ds_mla", False, False),
     ("odd/triton/bf16/eager", "odd", "triton", "auto", False, False),
     ("odd/triton/bf16/graphs", "odd", "triton", "auto", True, False),
-    ("glm5/upstream/fp8_ds_mla/graphs", "glm5", "upstream", "fp8_ds_mla", True, False),
-    ("glm5/triton/fp8_ds_mla/graphs", "glm5", "triton", "fp8_ds_mla", True, False),
     ("odd/triton/fp8_ds_mla/graphs", "odd", "triton", "fp8_ds_mla", True, False),
     ("glm5/upstream/bf16/graphs", "glm5", "upstream", "auto", True, True),
     ("glm5/triton/bf16/graphs", "glm5", "triton", "auto", True, True),
+    ("glm5/upstream/fp8_ds_mla/graphs", "glm5", "upstream", "fp8_ds_mla", True, True),
+    ("glm5/triton/fp8_ds_mla/graphs", "glm5", "triton", "fp8_ds_mla", True, True),
 ]
 ISOLATE_RUNS = [
     ("glm5/upstream/bf16/eager", "glm5", "upstream", "auto", False, False),
@@ -109,13 +113,20 @@ ISOLATE_RUNS = [
 COMPARISONS = [
     ("glm5/upstream/bf16/graphs", "glm5/upstream/bf16/eager",
      "NOISE FLOOR: upstream graphs vs upstream eager, bf16"),
-    ("glm5/triton/bf16/graphs", "glm5/upstream/bf16/graphs", "Triton vs upstream, bf16 cache"),
+    ("glm5/upstream/bf16/eager/c512", "glm5/upstream/bf16/eager",
+     "NOISE FLOOR: upstream, 512- vs 256-token prefill chunks, bf16"),
+    ("glm5/upstream/fp8_ds_mla/graphs", "glm5/upstream/fp8_ds_mla/eager",
+     "NOISE FLOOR: upstream graphs vs upstream eager, fp8_ds_mla"),
+    ("glm5/triton/bf16/eager", "glm5/upstream/bf16/eager", "Triton vs upstream, bf16, eager"),
+    ("glm5/triton/bf16/graphs", "glm5/upstream/bf16/graphs", "Triton vs upstream, bf16, graphs"),
+    ("glm5/triton/fp8_ds_mla/eager", "glm5/upstream/fp8_ds_mla/eager",
+     "Triton vs upstream, fp8_ds_mla, eager"),
     ("glm5/triton/fp8_ds_mla/graphs", "glm5/upstream/fp8_ds_mla/graphs",
-     "Triton vs upstream, fp8_ds_mla cache"),
-    ("glm5/triton/bf16/eager", "glm5/upstream/bf16/eager", "Triton eager vs upstream eager, bf16"),
-    ("odd/triton/bf16/graphs", "odd/triton/bf16/eager", "topk 200 / 8 index heads: graphs vs eager"),
+     "Triton vs upstream, fp8_ds_mla, graphs"),
+    ("odd/triton/bf16/graphs", "odd/triton/bf16/eager",
+     "topk 200 / 8 index heads (upstream cannot run it): Triton graphs vs Triton eager, bf16"),
     ("odd/triton/fp8_ds_mla/graphs", "odd/triton/bf16/graphs",
-     "topk 200 / 8 index heads: fp8_ds_mla vs bf16 (quantization, informative)"),
+     "topk 200 / 8 index heads: fp8_ds_mla vs bf16 cache (quantization, informative)"),
 ]
 ISOLATE_COMPARISONS = [
     ("glm5/upstream/bf16/graphs", "glm5/upstream/bf16/eager",
@@ -136,7 +147,28 @@ ISOLATE_COMPARISONS = [
     ("glm5/attn_triton/fp8_ds_mla/eager", "glm5/upstream/fp8_ds_mla/eager",
      "Triton attn + DeepGEMM indexer, fp8_ds_mla"),
 ]
-MUST_MATCH = {COMPARISONS[1][0], COMPARISONS[2][0], COMPARISONS[3][0], COMPARISONS[4][0]}
+# Noise floors: upstream against itself on the same weights and prompts, with a change that only
+# reorders bf16 arithmetic (CUDA graphs + torch.compile, another prefill chunking). On a tiny random
+# model a bf16-sized difference in layer 0 grows through softmax and the indexer's top-k boundary
+# (FACTS.md; the 2026-11-29 isolation run: upstream graphs vs eager kept 1 of 48 greedy steps), so
+# "identical greedy tokens" is a property of the model, not of the kernels. A checked comparison
+# therefore passes when (1) its TF mean |dlogprob| <= FLOOR_FACTOR x the largest floor of its cache
+# dtype and its TF top-5 overlap is no lower than the lowest floor's minus 0.02; (2) at every prompt's
+# first greedy divergence each run's token is in the other's top-5 (vLLM's check_logprobs_close), or
+# the prompts agree for >= MIN_IDENTICAL_STEPS steps; (3) where both runs dumped layer 0 (bit-identical
+# inputs there), the indexer chose the same top-k set for >= 99.9% of tokens and the attention
+# output's per-token error p99 is within LAYER0_ERR_P99 of the cache dtype.
+FLOORS = {"auto": [COMPARISONS[0][0], COMPARISONS[1][0]], "fp8_ds_mla": [COMPARISONS[2][0]]}
+# checked comparison -> floor set (cache dtype)
+MUST_MATCH = {COMPARISONS[3][0]: "auto", COMPARISONS[4][0]: "auto",
+              COMPARISONS[5][0]: "fp8_ds_mla", COMPARISONS[6][0]: "fp8_ds_mla",
+              COMPARISONS[7][0]: "auto"}
+FLOOR_FACTOR = 1.5
+# per-token max|a - b| / max|upstream| at layer 0, p99 over tokens. bf16: two roundings of the bf16
+# output (2 x 2^-8) plus accumulation order; fp8_ds_mla: FlashMLA's fp8 path itself is 4-7e-3 off a
+# float32 reference on whole tensors (bench/RESULTS.md), more per token on small-magnitude rows.
+LAYER0_ERR_P99 = {"auto": 1.0e-2, "fp8_ds_mla": 3.0e-2}
+LAYER0_SAME_SET = 0.999
 
 VENDOR_ENTRY_POINTS = {
     "vllm.utils.deep_gemm": ["fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits",
@@ -259,13 +291,15 @@ def worker(spec: dict) -> dict:
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True,
-                            logprobs=0, detokenize=False)
+                            logprobs=5, detokenize=False)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     result["step_logprobs"] = [
         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
         for o in outs
     ]
+    result["step_top5"] = [[sorted(d, key=lambda k: -d[k].logprob)[:5] for d in o.outputs[0].logprobs]
+                           for o in outs]
 
     tf = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5, detokenize=False)
     dumper.on = bool(spec.get("dump_path"))
@@ -377,7 +411,8 @@ def memory_race(res: dict) -> bool:
     """A failure caused by a neighbouring engine (vLLM's memory profiling saw memory come or go)."""
     log = res.get("log", "")
     return "error" in res and any(k in log for k in (
-        "memory profiling", "Free memory on device", "CUDA out of memory", "OutOfMemoryError"))
+        "memory profiling", "Free memory on device", "CUDA out of memory", "OutOfMemoryError",
+        "No available memory for the cache blocks"))
 
 
 def run_all(runs: list, make_spec, pythonpath_for, t_start: float, parallel: int) -> dict:
@@ -477,8 +512,16 @@ def compare(a: dict, b: dict) -> dict:
                for x, y in zip(sa, sb)]
     step = [abs(x - y) for sa, sb, n in zip(a["step_logprobs"], b["step_logprobs"], common)
             for x, y in zip(sa[:n], sb[:n])]
+    # vLLM's check_logprobs_close: at the first divergence each token is in the other's top-5
+    near_tie = []
+    for n, ta, tb, ka, kb in zip(common, a["tokens"], b["tokens"], a.get("step_top5", []),
+                                 b.get("step_top5", [])):
+        if n < min(len(ta), len(tb)):
+            near_tie.append(ta[n] in kb[n] and tb[n] in ka[n])
     return {
         "min_identical_steps": min(common),
+        "identical_steps": common,
+        "divergences_near_ties": all(near_tie) if "step_top5" in a and "step_top5" in b else None,
         "tf_max": max(deltas), "tf_mean": sum(deltas) / len(deltas),
         "tf_mean_short": sum(short) / max(len(short), 1),
         "tf_mean_long": sum(long_) / max(len(long_), 1),
@@ -507,6 +550,36 @@ def kernels_ok(path: str, r: dict) -> bool:
     raise ValueError(path)
 
 
+def judge(c: dict, floors: list, dump: dict | None, kv: str) -> tuple[bool, str]:
+    """Verdict of one checked comparison against the noise floors of its cache dtype."""
+    if not floors or any(f is None for f in floors):
+        return False, "FAIL: no noise floor (a floor run did not finish)"
+    problems = []
+    limit = FLOOR_FACTOR * max(f["tf_mean"] for f in floors)
+    if c["tf_mean"] > limit:
+        problems.append(f"TF mean {c['tf_mean']:.4f} > {limit:.4f}")
+    low = min(f["top5_overlap"] for f in floors) - 0.02
+    if c["top5_overlap"] < low:
+        problems.append(f"top-5 overlap {c['top5_overlap']:.3f} < {low:.3f}")
+    if c["min_identical_steps"] < MIN_IDENTICAL_STEPS and not c["divergences_near_ties"]:
+        problems.append("a greedy divergence is not at a near-tie")
+    layer0 = []
+    if dump is not None:
+        if "error" in dump:
+            problems.append(f"dumps: {dump['error']}")
+        for r in dump.get("rows", []):
+            if not r["layer"].startswith("model.layers.0."):
+                continue
+            layer0.append(r)
+            if r["span"] == "pos>=topk" and r["same_set"] < LAYER0_SAME_SET:
+                problems.append(f"layer 0 top-k same set {r['same_set']:.4f}")
+            if r["err_p99"] > LAYER0_ERR_P99[kv]:
+                problems.append(f"layer 0 {r['span']} err p99 {r['err_p99']:.1e}")
+    if problems:
+        return False, "FAIL: " + "; ".join(problems)
+    return True, "PASS" + (" (incl. layer 0)" if layer0 else "")
+
+
 def report(args, how, log, results, runs, comparisons, dumps, elapsed) -> tuple[str, bool]:
     ok = True
     lines = [f"# E2E proof{' (isolation)' if args.isolate else ''}: TRITON_MLA_SPARSE + Triton "
@@ -532,22 +605,41 @@ def report(args, how, log, results, runs, comparisons, dumps, elapsed) -> tuple[
               "", "| comparison | identical greedy steps (min) | TF max / mean abs diff | TF mean "
               "pos<256 / pos>=256 | top-5 overlap | step logprob max / mean | verdict |",
               "|---|---|---|---|---|---|---|"]
-    for cand, ref, what in comparisons:
+    stats = {}
+    for cand, ref, _ in comparisons:
         a, b = results.get(cand, {}), results.get(ref, {})
-        if "tokens" not in a or "tokens" not in b:
+        if "tokens" in a and "tokens" in b:
+            stats[cand] = compare(a, b)
+    floor_names = {f for fs in FLOORS.values() for f in fs}
+    for cand, ref, what in comparisons:
+        c = stats.get(cand)
+        if c is None:
             lines.append(f"| {what} | n/a | | | | | not run |")
             ok &= cand not in MUST_MATCH or args.isolate
             continue
-        c = compare(a, b)
-        verdict = "informative"
+        verdict = "noise floor" if cand in floor_names else "informative"
         if cand in MUST_MATCH and not args.isolate:
-            good = c["min_identical_steps"] >= MIN_IDENTICAL_STEPS
-            verdict = "PASS" if good else f"FAIL (< {MIN_IDENTICAL_STEPS} identical steps)"
+            kv = MUST_MATCH[cand]
+            good, verdict = judge(c, [stats.get(f) for f in FLOORS[kv]], dumps.get(cand), kv)
             ok &= good
-        lines.append(f"| {what} | {c['min_identical_steps']}/{GREEDY_STEPS} | "
+        near = {True: "; divergences at near-ties", False: "; a divergence NOT at a near-tie",
+                None: ""}[c["divergences_near_ties"]]
+        lines.append(f"| {what} | {c['min_identical_steps']}/{GREEDY_STEPS} "
+                     f"({' '.join(map(str, c['identical_steps']))}{near}) | "
                      f"{c['tf_max']:.4f} / {c['tf_mean']:.5f} | {c['tf_mean_short']:.5f} / "
                      f"{c['tf_mean_long']:.5f} | {c['top5_overlap']:.3f} | "
                      f"{c['step_max']:.4f} / {c['step_mean']:.5f} | {verdict} |")
+    if not args.isolate:
+        lines += ["", f"A checked row passes when: TF mean |dlogprob| <= {FLOOR_FACTOR} x the largest "
+                  "noise floor of its cache dtype and TF top-5 overlap >= the lowest floor's - 0.02; "
+                  "every prompt's first greedy divergence is a near-tie (each token in the other "
+                  f"run's top-5, vLLM's check_logprobs_close) or comes after {MIN_IDENTICAL_STEPS} "
+                  "steps; and at layer 0 (same inputs in both runs) the top-k sets agree for >= "
+                  f"{LAYER0_SAME_SET:.1%} of tokens and the attention output's per-token error p99 is "
+                  f"<= {LAYER0_ERR_P99['auto']:.0e} (bf16) / {LAYER0_ERR_P99['fp8_ds_mla']:.0e} "
+                  "(fp8_ds_mla). Why a noise floor and not identical greedy tokens: FACTS.md and "
+                  "bench/RESULTS.md (upstream against itself keeps 1 of 48 greedy steps on this "
+                  "model)."]
     tps = {n: results.get(n, {}).get("decode_tok_s") for n, *_ in runs}
     for kv in ("bf16", "fp8_ds_mla"):
         up, tr = tps.get(f"glm5/upstream/{kv}/graphs"), tps.get(f"glm5/triton/{kv}/graphs")
@@ -588,7 +680,8 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated run names (debugging)")
     ap.add_argument("--isolate", action="store_true",
                     help="component isolation runs (eager, with per-layer dumps) instead of the proof")
-    ap.add_argument("--dump", action="store_true", help="per-layer dumps in the default proof too")
+    ap.add_argument("--no-dump", action="store_true",
+                    help="skip the per-layer dumps (and the layer-0 checks) in the default proof")
     ap.add_argument("--parallel", type=int, default=None,
                     help="engines at once for runs without a tok/s measurement (1 = one at a time)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -626,7 +719,7 @@ def main():
     if args.only:
         only = set(args.only.split(","))
         runs = [r for r in runs if r[0] in only]
-    dumping = args.isolate or args.dump
+    dumping = args.isolate or not args.no_dump
     dump_dir = work / "dumps"
     dump_dir.mkdir(exist_ok=True)
 
@@ -641,7 +734,7 @@ def main():
 
     results = run_all(runs, make_spec,
                       lambda run: upstream_pp if run[2] == "upstream" else patched_pp,
-                      t_start, max(1, args.parallel or (6 if args.isolate else 4)))
+                      t_start, max(1, args.parallel or 4))
 
     dumps = {}
     if dumping:

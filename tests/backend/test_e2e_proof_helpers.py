@@ -50,7 +50,10 @@ def test_kernels_ok_per_path():
 
 def test_default_runs_put_tok_s_last_and_cover_comparisons():
     names = [r[0] for r in E.RUNS]
-    assert all(r[5] for r in E.RUNS[-2:]) and not any(r[5] for r in E.RUNS[:-2])
+    tps = [r[5] for r in E.RUNS]
+    assert any(tps) and tps == sorted(tps), "tok/s runs go last (alone on the GPU)"
+    assert {E.MUST_MATCH[c] for c in E.MUST_MATCH} <= set(E.FLOORS)
+    assert all(f in {c for c, _, _ in E.COMPARISONS} for fs in E.FLOORS.values() for f in fs)
     for runs, comps in ((E.RUNS, E.COMPARISONS), (E.ISOLATE_RUNS, E.ISOLATE_COMPARISONS)):
         have = {r[0] for r in runs}
         assert all(c in have and r in have for c, r, _ in comps)
@@ -94,3 +97,47 @@ def test_run_all_order_parallelism_and_memory_race_retry(monkeypatch):
     assert [s[1] for s in started] == [0.4, 0.4, 0.4, 0.5, 0.5]
     assert started[3][2] == 0 and started[4][2] == 0          # alone on the GPU
     assert all("error" not in r for r in res.values())
+
+
+def _run(tokens, top5, tf, tf5):
+    return {"tokens": tokens, "step_top5": top5, "step_logprobs": [[-0.1] * len(t) for t in tokens],
+            "tf_logprobs": tf, "tf_top5": tf5}
+
+
+def test_compare_near_ties_and_judge_against_the_noise_floor():
+    ref = _run([[1, 2, 3, 4], [5, 6, 7, 8]], [[[1, 9], [2, 9], [3, 9], [4, 9]],
+                                               [[5, 9], [6, 7], [7, 9], [8, 9]]],
+               [[-1.0, -2.0, -3.0]], [[[1, 2], [2, 3], [3, 4]]])
+    # prompt 2 diverges at step 1 on the reference's runner-up: a near-tie both ways
+    near = _run([[1, 2, 3, 4], [5, 7, 7, 8]], [[[1, 9], [2, 9], [3, 9], [4, 9]],
+                                                [[5, 9], [7, 6], [7, 9], [8, 9]]],
+                [[-1.0, -2.1, -3.0]], [[[1, 2], [2, 3], [3, 4]]])
+    c = E.compare(near, ref)
+    assert c["identical_steps"] == [4, 1] and c["divergences_near_ties"] is True
+    # a token outside the other's top-5 is not a near-tie
+    far = _run([[1, 2, 3, 4], [5, 11, 7, 8]], [[[1, 9], [2, 9], [3, 9], [4, 9]],
+                                                 [[5, 9], [11, 12], [7, 9], [8, 9]]],
+               [[-1.0, -2.1, -3.0]], [[[1, 2], [2, 3], [3, 4]]])
+    assert E.compare(far, ref)["divergences_near_ties"] is False
+
+    floor = {"tf_mean": 0.05, "top5_overlap": 0.95}
+    ok = dict(c, tf_mean=0.06, top5_overlap=0.94, min_identical_steps=1)
+    assert E.judge(ok, [floor], None, "auto") == (True, "PASS")
+    good, why = E.judge(dict(ok, tf_mean=0.2), [floor], None, "auto")
+    assert not good and "TF mean" in why
+    good, why = E.judge(dict(ok, top5_overlap=0.9), [floor], None, "auto")
+    assert not good and "top-5" in why
+    good, why = E.judge(dict(ok, divergences_near_ties=False), [floor], None, "auto")
+    assert not good and "near-tie" in why
+    assert E.judge(dict(ok, divergences_near_ties=False, min_identical_steps=E.MIN_IDENTICAL_STEPS),
+                   [floor], None, "auto")[0]
+    assert not E.judge(ok, [floor, None], None, "auto")[0]     # a floor run missing: no verdict
+    l0 = "model.layers.0.self_attn.attn"
+    dump = {"rows": [{"layer": l0, "span": "pos>=topk", "same_set": 1.0, "err_p99": 4e-3},
+                     {"layer": "model.layers.1.self_attn.attn", "span": "pos>=topk",
+                      "same_set": 0.1, "err_p99": 1.0}]}       # layer 1 inherits: not judged
+    assert E.judge(ok, [floor], dump, "auto") == (True, "PASS (incl. layer 0)")
+    dump["rows"][0]["err_p99"] = 2e-2
+    assert not E.judge(ok, [floor], dump, "auto")[0] and E.judge(ok, [floor], dump, "fp8_ds_mla")[0]
+    dump["rows"][0].update(err_p99=4e-3, same_set=0.99)
+    assert "same set" in E.judge(ok, [floor], dump, "auto")[1]
