@@ -120,7 +120,8 @@ def test_compare_near_ties_and_judge_against_the_noise_floor():
                [[-1.0, -2.1, -3.0]], [[[1, 2], [2, 3], [3, 4]]])
     assert E.compare(far, ref)["divergences_near_ties"] is False
 
-    floor = {"tf_mean": 0.05, "top5_overlap": 0.95}
+    floor = {"tf_mean": 0.05, "top5_overlap": 0.95, "min_identical_steps": 40,
+             "divergences_near_ties": True}
     ok = dict(c, tf_mean=0.06, top5_overlap=0.94, min_identical_steps=1)
     assert E.judge(ok, [floor], None, "auto") == (True, "PASS")
     good, why = E.judge(dict(ok, tf_mean=0.2), [floor], None, "auto")
@@ -131,7 +132,14 @@ def test_compare_near_ties_and_judge_against_the_noise_floor():
     assert not good and "near-tie" in why
     assert E.judge(dict(ok, divergences_near_ties=False, min_identical_steps=E.MIN_IDENTICAL_STEPS),
                    [floor], None, "auto")[0]
+    # upstream fails the greedy rule against itself: the rule cannot tell a bug from noise
+    wild = dict(floor, min_identical_steps=1, divergences_near_ties=False)
+    good, why = E.judge(dict(ok, divergences_near_ties=False), [floor, wild], None, "auto")
+    assert good and "greedy not judged" in why
     assert not E.judge(ok, [floor, None], None, "auto")[0]     # a floor run missing: no verdict
+    # a run that did not store its TF top-5: that criterion is skipped and said so
+    good, why = E.judge(dict(ok, top5_overlap=None), [floor], None, "auto")
+    assert good and "top-5 overlap not stored" in why
     l0 = "model.layers.0.self_attn.attn"
     dump = {"rows": [{"layer": l0, "span": "pos>=topk", "same_set": 1.0, "err_p99": 4e-3},
                      {"layer": "model.layers.1.self_attn.attn", "span": "pos>=topk",
@@ -141,3 +149,6 @@ def test_compare_near_ties_and_judge_against_the_noise_floor():
     assert not E.judge(ok, [floor], dump, "auto")[0] and E.judge(ok, [floor], dump, "fp8_ds_mla")[0]
     dump["rows"][0].update(err_p99=4e-3, same_set=0.99)
     assert "same set" in E.judge(ok, [floor], dump, "auto")[1]
+    # eager vs graphs: layer 0's inputs differ (torch.compile), so layer 0 is not judged
+    good, why = E.judge(ok, [floor], dump, "auto", same_mode=False)
+    assert good and "layer 0 not judged" in why
