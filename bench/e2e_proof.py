@@ -716,13 +716,24 @@ def main():
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return
     if args.rejudge:
-        data = json.loads(Path(args.rejudge).read_text())
+        # several runs (comma-separated, same script version: same seeded weights and prompts):
+        # the first is the base, later ones only fill runs the earlier ones lack or failed
+        data: dict = {"runs": {}, "dumps": {}}
+        for i, path in enumerate(args.rejudge.split(",")):
+            raw = Path(path).read_bytes()
+            part = json.loads(__import__("gzip").decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+            data.setdefault("meta", part.get("meta", {}))
+            for name, r in part["runs"].items():
+                if "error" in data["runs"].get(name, {"error": 1}) and "error" not in r:
+                    data["runs"][name] = r
+            for name, d in part.get("dumps", {}).items():
+                data["dumps"].setdefault(name, d)
         meta = data.get("meta", {})
         args.device_name = meta.get("device", "see the original report")
         runs = ISOLATE_RUNS if args.isolate else RUNS
         comps = ISOLATE_COMPARISONS if args.isolate else COMPARISONS
         text, ok = report(args, f"{meta.get('how', 'see the original report')}; re-judged from "
-                          f"{Path(args.rejudge).name}", [], data["runs"], runs, comps,
+                          f"{', '.join(Path(x).name for x in args.rejudge.split(','))}", [], data["runs"], runs, comps,
                           data.get("dumps", {}), meta.get("elapsed_s", float("nan")))
         Path(args.out).write_text(text)
         print(text)
