@@ -181,6 +181,11 @@ CASES = [
     (15, "fp8_ds_mla", 7, 130, 2, 16, "h16n32s3w4p2f"),
     (16, "fp8_ds_mla", 40, 37, 2, 1, "h32n16s1w8p2d2f"),
     (17, "fp8_ds_mla", 3, 90, 3, 64, "h16n32s1w4p2d2"),
+    # per-rank head counts under tensor parallelism, with the shipped heuristic: GLM-5 (64 heads) at
+    # TP 8 / 2, DeepSeek-V3.2 (128 heads) at TP 8 -> 8 / 32 / 16 heads per GPU
+    (20, "bf16", 8, 64, 2, 64, None),
+    (21, "fp8_ds_mla", 8, 130, 1, 64, None),
+    (22, "bf16", 32, 50, 2, 64, None),
 ]
 
 
