@@ -47,6 +47,7 @@ an otherwise idle GPU. The TF logprob noise floor comes from upstream graphs vs 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -245,6 +246,11 @@ class _Dumper:
         cls.forward_mqa = forward_mqa
 
 
+def _top5(logprobs: dict) -> list:
+    """The five most likely token ids of one position of vLLM's logprobs output."""
+    return sorted(logprobs, key=lambda k: -logprobs[k].logprob)[:5]
+
+
 def worker(spec: dict) -> dict:
     path = spec["path"]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: patches apply
@@ -298,8 +304,7 @@ def worker(spec: dict) -> dict:
         [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
         for o in outs
     ]
-    result["step_top5"] = [[sorted(d, key=lambda k: -d[k].logprob)[:5] for d in o.outputs[0].logprobs]
-                           for o in outs]
+    result["step_top5"] = [[_top5(d) for d in o.outputs[0].logprobs] for o in outs]
 
     tf = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5, detokenize=False)
     dumper.on = bool(spec.get("dump_path"))
@@ -315,7 +320,7 @@ def worker(spec: dict) -> dict:
     for o, seq in zip(tf_outs, spec["tf_sequences"]):
         pl = o.prompt_logprobs[1:]
         result["tf_logprobs"].append([d[t].logprob for d, t in zip(pl, seq[1:])])
-        result["tf_top5"].append([sorted(d, key=lambda k: -d[k].logprob)[:5] for d in pl])
+        result["tf_top5"].append([_top5(d) for d in pl])
 
     if spec["tps"]:
         batch = [TokensPrompt(prompt_token_ids=p) for p in spec["tps_prompts"]]
@@ -705,7 +710,7 @@ def main():
                     help="component isolation runs (eager, with per-layer dumps) instead of the proof")
     ap.add_argument("--no-dump", action="store_true",
                     help="skip the per-layer dumps (and the layer-0 checks) in the default proof")
-    ap.add_argument("--parallel", type=int, default=None,
+    ap.add_argument("--parallel", type=int, default=4,
                     help="engines at once for runs without a tok/s measurement (1 = one at a time)")
     ap.add_argument("--rejudge", default=None, metavar="JSON",
                     help="no GPU: rebuild the report of an earlier run from its JSON (runs + dumps) "
@@ -715,13 +720,15 @@ def main():
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return
+    runs = ISOLATE_RUNS if args.isolate else RUNS
+    comparisons = ISOLATE_COMPARISONS if args.isolate else COMPARISONS
     if args.rejudge:
         # several runs (comma-separated, same script version: same seeded weights and prompts):
         # the first is the base, later ones only fill runs the earlier ones lack or failed
         data: dict = {"runs": {}, "dumps": {}}
-        for i, path in enumerate(args.rejudge.split(",")):
+        for path in args.rejudge.split(","):
             raw = Path(path).read_bytes()
-            part = json.loads(__import__("gzip").decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+            part = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
             data.setdefault("meta", part.get("meta", {}))
             for name, r in part["runs"].items():
                 if "error" in data["runs"].get(name, {"error": 1}) and "error" not in r:
@@ -730,11 +737,10 @@ def main():
                 data["dumps"].setdefault(name, d)
         meta = data.get("meta", {})
         args.device_name = meta.get("device", "see the original report")
-        runs = ISOLATE_RUNS if args.isolate else RUNS
-        comps = ISOLATE_COMPARISONS if args.isolate else COMPARISONS
-        text, ok = report(args, f"{meta.get('how', 'see the original report')}; re-judged from "
-                          f"{', '.join(Path(x).name for x in args.rejudge.split(','))}", [], data["runs"], runs, comps,
-                          data.get("dumps", {}), meta.get("elapsed_s", float("nan")))
+        how = (f"{meta.get('how', 'see the original report')}; re-judged from "
+               f"{', '.join(Path(x).name for x in args.rejudge.split(','))}")
+        text, ok = report(args, how, [], data["runs"], runs, comparisons, data.get("dumps", {}),
+                          meta.get("elapsed_s", float("nan")))
         Path(args.out).write_text(text)
         print(text)
         sys.exit(0 if ok else 1)
@@ -749,7 +755,6 @@ def main():
     patched_pp, upstream_pp, how = prepare_vllm(args, log)
     explicit_upstream = patched_pp == upstream_pp  # same tree: ask for FLASHMLA_SPARSE by name
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dsa_proof_"))
-    runs = ISOLATE_RUNS if args.isolate else RUNS
     if args.only:
         only = set(args.only.split(","))
         runs = [r for r in runs if r[0] in only]
@@ -767,7 +772,6 @@ def main():
     tf_sequences = [p + rand(GREEDY_STEPS) for p in prompts]
     tps_prompts = [rand(300 + 7 * i) for i in range(TPS_BATCH)]
 
-    comparisons = ISOLATE_COMPARISONS if args.isolate else COMPARISONS
     dumping = args.isolate or not args.no_dump
     dump_dir = work / "dumps"
     dump_dir.mkdir(exist_ok=True)
@@ -783,7 +787,7 @@ def main():
 
     results = run_all(runs, make_spec,
                       lambda run: upstream_pp if run[2] == "upstream" else patched_pp,
-                      t_start, max(1, args.parallel or 4))
+                      t_start, max(1, args.parallel))
 
     dumps = {}
     if dumping:

@@ -106,10 +106,15 @@ def hf_worker(spec: dict, out_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------- driver
 
-def spawn(kind: str, spec: dict, out_dir: Path, log: Path) -> bool:
+def spawn(kind: str, spec: dict, out_dir: Path, log: Path,
+          keep_failed_log_in: Path | None = None) -> bool:
+    """Run one worker; its log stays where ``log`` says and is copied into ``keep_failed_log_in`` only
+    if it fails (a device call brings back at most 8 files from $OUT)."""
     cmd = [sys.executable, os.path.abspath(__file__), f"--_{kind}", json.dumps(spec), "--_dir", str(out_dir)]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 and keep_failed_log_in is not None:
+        shutil.copy(log, keep_failed_log_in / log.name)
     return rc == 0
 
 
@@ -173,25 +178,20 @@ def main() -> int:
     for name, model, hfc, chunk in runs:
         spec = dict(name=name, model=model, tokenizer=hf, hf_config_path=hfc, prompts=prompts,
                     steps=args.steps, vocab=vocab, chunk=chunk)
-        # engine logs stay in the work dir; only a failing run's log goes to --out (a device call
-        # brings back at most 8 files from $OUT)
         log = work / f"gguf_proof-{name}.log"
         t0 = time.time()
-        ok = spawn("engine", spec, work, log)
+        ok = spawn("engine", spec, work, log, keep_failed_log_in=out)
         r = {"ok": ok, "wall_s": round(time.time() - t0, 1), "backend": backend_of(log)}
         if ok:
             r.update(json.loads((work / f"{name}.json").read_text()))
         else:
-            if log.exists():
-                shutil.copy(log, out / log.name)
             tail = log.read_text(errors="replace").strip().splitlines() if log.exists() else ["?"]
             errs = [l for l in tail if re.search(r"Error|Exception|error:", l)]
             r["error"] = (errs or tail)[-1:]
         results["runs"][name] = r
         print(f"[gguf_proof] {name}: ok={ok} {r['wall_s']}s backend={r['backend']}", flush=True)
-    hf_ok = spawn("hf", dict(hf=hf, prompts=prompts, vocab=vocab), work, work / "gguf_proof-hf.log")
-    if not hf_ok and (work / "gguf_proof-hf.log").exists():
-        shutil.copy(work / "gguf_proof-hf.log", out / "gguf_proof-hf.log")
+    hf_ok = spawn("hf", dict(hf=hf, prompts=prompts, vocab=vocab), work, work / "gguf_proof-hf.log",
+                  keep_failed_log_in=out)
     results["hf_ok"] = hf_ok
 
     lines = ["## GLM-5 GGUF in vLLM 0.23.0 + dsa-overlay (H200, tiny random glm_moe_dsa)", "",

@@ -585,16 +585,15 @@ def plan(tensors: dict[str, TensorInfo], release: str | None = None) -> Plan:
             e.dense, e.why = True, f"ggml type {'/'.join(sorted(types))} not in vLLM's GGUF kernels"
     # a fused layer takes all shards quantized or all dense
     for e in list(by_name.values()):
-        m = re.match(r"(model\.layers\.\d+\.)(.+)$", e.hf_name)
-        if not m:
+        fused = _fused_shard(e.hf_name)
+        if fused is None:
             continue
-        for group in FUSED_GROUPS:
-            if m.group(2) in group:
-                members = [by_name.get(m.group(1) + g) for g in group]
-                if any(x is not None and x.dense for x in members):
-                    for x in members:
-                        if x is not None and not x.dense:
-                            x.dense, x.why = True, "fused with a dense shard"
+        prefix, group, _ = fused
+        members = [by_name.get(prefix + g) for g in group]
+        if any(x is not None and x.dense for x in members):
+            for x in members:
+                if x is not None and not x.dense:
+                    x.dense, x.why = True, "fused with a dense shard"
     # vLLM's merged w13 holds one ggml type
     exp = {}
     for e in entries:
@@ -610,16 +609,26 @@ def plan(tensors: dict[str, TensorInfo], release: str | None = None) -> Plan:
     return Plan(entries, sorted(unmapped), problems)
 
 
+def _fused_shard(hf_name: str) -> tuple[str, tuple[str, ...], int] | None:
+    """(``model.layers.N.`` prefix, its FUSED_GROUPS group, shard index) for a shard of a layer vLLM
+    fuses; None for any other parameter."""
+    m = re.match(r"(model\.layers\.\d+\.)(.+)$", hf_name)
+    if m:
+        for group in FUSED_GROUPS:
+            if m.group(2) in group:
+                return m.group(1), group, group.index(m.group(2))
+    return None
+
+
 def _load_order(e: Entry) -> tuple:
     """Per layer, by name, except that the shards of a fused layer follow its shard index: vLLM's
     GGUF linear method concatenates the shard outputs in the order the shards were loaded (an
     alphabetical kv_a_proj_with_mqa before q_a_proj swaps the halves of fused_qkv_a_proj)."""
     layer = e.layer if e.layer is not None else -1
-    m = re.match(r"(model\.layers\.\d+\.)(.+)$", e.hf_name)
-    if m:
-        for group in FUSED_GROUPS:
-            if m.group(2) in group:
-                return layer, m.group(1) + group[0], group.index(m.group(2))
+    fused = _fused_shard(e.hf_name)
+    if fused is not None:
+        prefix, group, index = fused
+        return layer, prefix + group[0], index
     return layer, e.hf_name, 0
 
 
