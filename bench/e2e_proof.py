@@ -699,6 +699,21 @@ def report(args, how, log, results, runs, comparisons, dumps, elapsed) -> tuple[
     return "\n".join(lines) + "\n", ok
 
 
+def merge_runs(parts: list[dict]) -> dict:
+    """Stored proof runs (same script version: same seeded weights and prompts) as one: the first is
+    the base; a later one adds the runs the earlier ones lack and replaces those that failed there."""
+    data: dict = {"runs": {}, "dumps": {}}
+    for part in parts:
+        data.setdefault("meta", part.get("meta", {}))
+        for name, r in part["runs"].items():
+            have = data["runs"].get(name)
+            if have is None or ("error" in have and "error" not in r):
+                data["runs"][name] = r
+        for name, d in part.get("dumps", {}).items():
+            data["dumps"].setdefault(name, d)
+    return data
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--site", default="/root/site", help="site-packages holding vLLM 0.23.0")
@@ -723,18 +738,11 @@ def main():
     runs = ISOLATE_RUNS if args.isolate else RUNS
     comparisons = ISOLATE_COMPARISONS if args.isolate else COMPARISONS
     if args.rejudge:
-        # several runs (comma-separated, same script version: same seeded weights and prompts):
-        # the first is the base, later ones only fill runs the earlier ones lack or failed
-        data: dict = {"runs": {}, "dumps": {}}
+        parts = []
         for path in args.rejudge.split(","):
             raw = Path(path).read_bytes()
-            part = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-            data.setdefault("meta", part.get("meta", {}))
-            for name, r in part["runs"].items():
-                if "error" in data["runs"].get(name, {"error": 1}) and "error" not in r:
-                    data["runs"][name] = r
-            for name, d in part.get("dumps", {}).items():
-                data["dumps"].setdefault(name, d)
+            parts.append(json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw))
+        data = merge_runs(parts)
         meta = data.get("meta", {})
         args.device_name = meta.get("device", "see the original report")
         how = (f"{meta.get('how', 'see the original report')}; re-judged from "

@@ -152,3 +152,19 @@ def test_compare_near_ties_and_judge_against_the_noise_floor():
     # eager vs graphs: layer 0's inputs differ (torch.compile), so layer 0 is not judged
     good, why = E.judge(ok, [floor], dump, "auto", same_mode=False)
     assert good and "layer 0 not judged" in why
+
+
+def test_merge_runs_keeps_failures_and_fills_them_from_later_runs():
+    first = {"meta": {"device": "A"}, "runs": {"a": {"tokens": [1]}, "b": {"error": "skipped"},
+                                               "c": {"error": "exit 1"}},
+             "dumps": {"a": {"rows": [1]}}}
+    later = {"meta": {"device": "B"}, "runs": {"a": {"tokens": [2]}, "b": {"tokens": [3]},
+                                               "d": {"tokens": [4]}},
+             "dumps": {"a": {"rows": [2]}, "b": {"rows": [3]}}}
+    m = E.merge_runs([first, later])
+    assert m["meta"] == {"device": "A"}
+    assert m["runs"]["a"] == {"tokens": [1]}            # the base wins where it succeeded
+    assert m["runs"]["b"] == {"tokens": [3]}            # a failure is replaced by a later success
+    assert m["runs"]["c"] == {"error": "exit 1"}        # a failure nobody repaired stays visible
+    assert m["runs"]["d"] == {"tokens": [4]}
+    assert m["dumps"] == {"a": {"rows": [1]}, "b": {"rows": [3]}}
