@@ -636,6 +636,15 @@ def run_focus(args, upstream, g, lines):
 # ------------------------------------------------------------------------------------------------
 
 
+def _write_report(lines: list[str], t_start: float, out: str) -> None:
+    """Append the total wall time, write the markdown report and echo it."""
+    lines.append(f"\nTotal {time.time() - t_start:.0f} s.")
+    text = "\n".join(lines) + "\n"
+    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(out).write_text(text)
+    print(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fallback-src", help="vLLM 0.17.1 vllm/utils/deep_gemm.py or its wheel")
@@ -708,11 +717,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             lines.append(f"focus failed: {_err(e)}")
-        lines.append(f"\nTotal {time.time() - t_start:.0f} s.")
-        text = "\n".join(lines) + "\n"
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(text)
-        print(text)
+        _write_report(lines, t_start, args.out)
         return
 
     prefill_cases = [(4096, 4096), (4096, 16384), (4096, 65536)]
@@ -770,11 +775,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             lines.append(f"sweep failed: {_err(e)}")
-    lines.append(f"\nTotal {time.time() - t_start:.0f} s.")
-    text = "\n".join(lines) + "\n"
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(text)
-    print(text)
+    _write_report(lines, t_start, args.out)
 
 
 if __name__ == "__main__":
