@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dsa_overlay.verify import main  # noqa: E402
+from dsa_installer.verify import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -44,7 +44,7 @@ DEV = "cpu" if CPU_SMOKE else "cuda"
 if CPU_SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from dsa_overlay.kernels import indexer as ours  # noqa: E402
+from overlay.kernels import indexer as ours  # noqa: E402
 
 if CPU_SMOKE:  # Triton <= 3.6 interpreter vs numpy >= 2.4 (triton-lang/triton#9171)
     from tests.kernels._interp import numpy24_fix
@@ -194,7 +194,7 @@ def decode_inputs(B, ctx, next_n, g, upstream):
         if upstream.ops is not None:
             upstream.ops.indexer_k_quant_and_cache(keys, cache, slots, D, "ue8m0")
         else:
-            writer = "dsa_overlay indexer_k_quant_and_cache_ref"
+            writer = "dsa_installer indexer_k_quant_and_cache_ref"
             ours.indexer_k_quant_and_cache_ref(keys, cache, slots, D, "ue8m0")
     q = (torch.randn(B, next_n, HEADS, D, device=DEV, generator=g) * 2).to(FP8)
     w = torch.randn(B * next_n, HEADS, device=DEV, generator=g) * HEADS ** -0.5
@@ -707,7 +707,7 @@ def main():
             "CUDA-graph replay with L2 flushed ('*' = eager).  'default' is what the launcher "
             "picks today; the 'best' column names the fastest correct variant.  To change a "
             "default, edit _PREFILL_TABLE / _DECODE_TABLE (hopper rows) in "
-            "dsa_overlay/kernels/indexer.py.  Decode variants: BN = key tile, ps = programs "
+            "overlay/kernels/indexer.py.  Decode variants: BN = key tile, ps = programs "
             "per SM, w = warps, s = pipeline stages, ahead = per-key scales prefetched a tile "
             "ahead (SCALES_AHEAD)."]
         if upstream.error:

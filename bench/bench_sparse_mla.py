@@ -40,7 +40,7 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 DEVICE = "cpu" if SMOKE else "cuda"
 
-from dsa_overlay.kernels import sparse_mla as SM  # noqa: E402
+from overlay.kernels import sparse_mla as SM  # noqa: E402
 from tests.kernels._fp8_ds_mla import quantize_fp8_ds_mla  # noqa: E402
 
 BYTES_PER_TOKEN = {"bf16": 1152, "fp8_ds_mla": 656}
@@ -550,7 +550,7 @@ def main():
           "with 4 programs per row and a shared-memory reduction: ~11 ns more per row); above 16 splits "
           "it is runs 2-3's 32 x 128 merge (their batch-1 gain). vs FlashMLA = FlashMLA us / ours (> 1: ours faster). A variant that "
           "beats the heuristic by > 3% on a shape class should replace that table entry in "
-          "dsa_overlay/kernels/sparse_mla.py (_TILE_TABLE / _LATENCY_TILE); every FOCUS_TILES entry is "
+          "overlay/kernels/sparse_mla.py (_TILE_TABLE / _LATENCY_TILE); every FOCUS_TILES entry is "
           "already cross-compiled for sm_90 without spills by the CPU tests.\n\n"
           "| shape | config | what | us | TB/s | TFLOP/s | vs FlashMLA | FlashMLA us | run 1 us | err | "
           "target met? |\n|---|---|---|---|---|---|---|---|---|---|---|\n")

@@ -77,10 +77,7 @@ def logits_available() -> bool:
 
 
 def _triton():
-    try:  # inside vLLM: vllm/_dsa_overlay/kernels/indexer.py
-        from .kernels import indexer
-    except ImportError:  # from a checkout
-        from dsa_overlay.kernels import indexer
+    from .kernels import indexer
     return indexer
 
 

@@ -101,10 +101,7 @@ def concat_q(q) -> torch.Tensor:
 
 
 def _kernel():
-    try:  # inside vLLM: vllm/_dsa_overlay/kernels/sparse_mla.py
-        from .kernels import sparse_mla
-    except ImportError:  # from a checkout: dsa_overlay/kernels/sparse_mla.py
-        from dsa_overlay.kernels import sparse_mla
+    from .kernels import sparse_mla
     return sparse_mla.sparse_mla_attention
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_overlay import cudastub, engine
+from dsa_installer import cudastub, engine
 
 VENVS = Path(os.environ.get("DSA_OVERLAY_VLLM_VENVS", Path.home() / ".cache" / "dsa-overlay" / "venvs"))
 

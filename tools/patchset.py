@@ -24,8 +24,8 @@ import click
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dsa_overlay import fsops, hunks, manifest, plan  # noqa: E402
-from dsa_overlay.errors import UserError  # noqa: E402
+from dsa_installer import fsops, hunks, manifest, plan  # noqa: E402
+from dsa_installer.errors import UserError  # noqa: E402
 
 CACHE = Path(os.environ.get("DSA_OVERLAY_CACHE", Path.home() / ".cache" / "dsa-overlay"))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_overlay import fsops, manifest
+from dsa_installer import fsops, manifest
 from tools import patchset
 
 REPO = Path(__file__).resolve().parents[2]

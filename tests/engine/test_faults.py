@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from dsa_overlay import engine, fsops
-from dsa_overlay.errors import UserError
+from dsa_installer import engine, fsops
+from dsa_installer.errors import UserError
 
 from .conftest import REPO, cli
 
@@ -83,7 +83,7 @@ def test_rollback_failing_half_way_keeps_state_and_resumes(tree, monkeypatch):
 _CRASH = """
 import os, sys
 sys.path.insert(0, {repo!r})
-from dsa_overlay import fsops
+from dsa_installer import fsops
 real, n, torn, count = fsops.write_file, int(sys.argv[1]), sys.argv[3] == "torn", [0]
 def dying(path, data, mode=0o644):
     count[0] += 1
@@ -93,7 +93,7 @@ def dying(path, data, mode=0o644):
         os._exit(9)          # the process dies here: no except, no finally, no cleanup
     real(path, data, mode)
 fsops.write_file = dying
-from dsa_overlay import engine
+from dsa_installer import engine
 from pathlib import Path
 engine.apply(Path(sys.argv[2]))
 """

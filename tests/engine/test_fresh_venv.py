@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_overlay import cli as dsa_cli
-from dsa_overlay import cudastub, fsops
+from dsa_installer import cli as dsa_cli
+from dsa_installer import cudastub, fsops
 
 from .conftest import cli
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_overlay import hunks
-from dsa_overlay.errors import UserError
+from dsa_installer import hunks
+from dsa_installer.errors import UserError
 
 from .conftest import VERSIONS
 from tools import patchset

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from dsa_overlay import engine
+from dsa_installer import engine
 
 from .conftest import REPO, assert_error, cli
 

@@ -1,6 +1,6 @@
 """Every shipped patch set: thin hooks only, and the applied tree compiles (patched targets and drop-ins)."""
 
-from dsa_overlay import engine, manifest
+from dsa_installer import engine, manifest
 
 MAX_ADDED_LINES = 16  # a hook that needs more belongs in an overlay module (ARCHITECTURE.md)
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from dsa_overlay import fsops, manifest, resources
+from dsa_installer import fsops, manifest, resources
 from tools import patchset
 
 from .conftest import VERSIONS

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_overlay import fsops, manifest
+from dsa_installer import fsops, manifest
 
 from .conftest import REPO, assert_error, cli
 
@@ -20,7 +20,7 @@ SUPPORTED = ", ".join(manifest.supported_versions())
 
 def repo_copy(dest: Path) -> Path:
     """The tool's runnable files (what a user's clone holds) copied to `dest`, to be broken on purpose."""
-    for name in ("dsa_overlay", "overlay", "patches"):
+    for name in ("dsa_installer", "overlay", "patches"):
         shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "apply.py", dest / "apply.py")
     return dest

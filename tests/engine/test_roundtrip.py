@@ -5,7 +5,7 @@ import time
 from pathlib import PurePosixPath
 
 from tests.conftest import TIMINGS
-from dsa_overlay import engine, manifest
+from dsa_installer import engine, manifest
 
 from .conftest import cli
 

@@ -10,7 +10,7 @@ import venv
 
 import pytest
 
-from dsa_overlay import cudastub, engine, manifest, verify
+from dsa_installer import cudastub, engine, manifest, verify
 
 from .conftest import cli
 

@@ -1,4 +1,5 @@
-"""A regular (non-editable) wheel carries patches/ and overlay/ and applies the same set."""
+"""A regular (non-editable) wheel carries patches/ (as data) and the runtime tree `overlay` (as a package), and
+applies the same set."""
 
 import importlib.util
 import subprocess
@@ -7,11 +8,11 @@ import zipfile
 
 import pytest
 
-from dsa_overlay import manifest
+from dsa_installer import manifest
 
 from .conftest import REPO
 
-RUN = "import sys; sys.path.insert(0, sys.argv.pop(1)); from dsa_overlay.cli import main; main()"
+RUN = "import sys; sys.path.insert(0, sys.argv.pop(1)); from dsa_installer.cli import main; main()"
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +30,13 @@ def wheel_lib(tmp_path_factory):
 
 
 def test_wheel_contains_the_patch_sets_and_overlay(wheel_lib):
-    data = wheel_lib / "dsa_overlay" / "_data"
+    data = wheel_lib / "dsa_installer" / "_data"
     for version in manifest.supported_versions():
         assert (data / "patches" / version / "manifest.toml").read_bytes() == \
             (REPO / "patches" / version / "manifest.toml").read_bytes()
-    assert sorted(p.name for p in (data / "overlay").glob("*.py")) == sorted(p.name for p in (REPO / "overlay").glob("*.py"))
-    assert not (wheel_lib / "patches").exists() and not (wheel_lib / "overlay").exists()
+    runtime = lambda root: sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    assert runtime(wheel_lib / "overlay") == runtime(REPO / "overlay")  # every subpackage of the runtime tree
+    assert not (wheel_lib / "patches").exists() and not (data / "overlay").exists()
 
 
 def test_installed_wheel_applies_and_rolls_back(wheel_lib, tree, tmp_path):

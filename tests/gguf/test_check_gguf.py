@@ -9,8 +9,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from dsa_overlay import gguf_check
-from dsa_overlay.gguf_check import check_gguf
+from dsa_installer import gguf_check
+from dsa_installer.gguf_check import check_gguf
 from overlay import gguf_glm_dsa as g
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KERNEL_FILE = ROOT / "dsa_overlay" / "kernels" / "indexer.py"
+KERNEL_FILE = ROOT / "dsa_installer" / "kernels" / "indexer.py"
 D = 128
 FP8 = torch.float8_e4m3fn
 

@@ -97,7 +97,7 @@ def _compile_one(ix, name: str, cfg: dict, cc: int) -> dict:
 def _worker() -> list[dict]:
     assert not os.environ.get("TRITON_INTERPRET"), "cross-compiling needs the compiled kernels"
     sys.path.insert(0, str(ROOT))
-    from dsa_overlay.kernels import indexer as ix
+    from overlay.kernels import indexer as ix
 
     assert not ix.INTERPRETED
     out = []

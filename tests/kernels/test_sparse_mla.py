@@ -19,7 +19,7 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KERNEL_FILE = ROOT / "dsa_overlay" / "kernels" / "sparse_mla.py"
+KERNEL_FILE = ROOT / "dsa_installer" / "kernels" / "sparse_mla.py"
 
 
 M = load_interpreted(KERNEL_FILE, "_sparse_mla_interpreted")

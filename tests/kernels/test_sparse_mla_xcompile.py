@@ -44,7 +44,7 @@ def _signature(fn, pointer_types: dict, floats=("sm_scale_log2",)) -> dict:
 def extra_tiles(capability, fmt) -> list:
     """Variants the benchmark's --focus sweep times on sm_90 beside the table (sparse_mla.FOCUS_TILES),
     so that a faster one can enter the table knowing it compiles, fits and does not spill there."""
-    from dsa_overlay.kernels import sparse_mla as M
+    from overlay.kernels import sparse_mla as M
 
     return [t for t in M.FOCUS_TILES.get(fmt, []) if capability == (9, 0)]
 
@@ -54,7 +54,7 @@ def _worker(cc: int) -> None:
     sys.path.insert(0, str(HERE))
     from _xcompile import SHARED_LIMIT, cross_compile
 
-    from dsa_overlay.kernels import sparse_mla as M
+    from overlay.kernels import sparse_mla as M
 
     assert type(M._sparse_mla_fwd_kernel).__name__ == "JITFunction"
     capability = TARGETS[cc]

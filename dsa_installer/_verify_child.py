@@ -1,7 +1,7 @@
 """Run by verify in the target's interpreter: `python -I _verify_child.py SITE OUT.json MODULE...`.
 
 Imports each module with SITE first on sys.path and writes the outcome as JSON to OUT.json. Must not
-import dsa_overlay (the target interpreter need not have it)."""
+import dsa_installer (the target interpreter need not have it)."""
 
 import importlib
 import json

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 
 import click
 
-from .resources import load_overlay_module
-
-g = load_overlay_module("gguf_glm_dsa")
+from overlay import gguf_glm_dsa as g
 
 # hyper-parameters compared against --hf-config-path
 _COMPARED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",

@@ -125,7 +125,8 @@ def _dropins(folder: Path | None, entry: dict, where: str) -> list[Dropin]:
         raise UserError(f"{where}: dropin src {src!r} must be a relative path; fix the manifest")
     path = resources.source(src) if folder is None else folder / src
     if path.is_dir():
-        return [Dropin(f, f"{dest}/{f.name}") for f in sorted(path.glob("*.py")) if f.is_file()]
+        return [Dropin(f, f"{dest}/{f.relative_to(path).as_posix()}") for f in sorted(path.rglob("*.py"))
+                if f.is_file() and "__pycache__" not in f.relative_to(path).parts]
     if path.is_file():
         return [Dropin(path, dest)]
     raise UserError(f"{where}: dropin src {src} does not exist; fix the manifest")

@@ -513,12 +513,12 @@ _PACKED_FP4 = (torch.int8, torch.uint8)
 
 
 def _fail(msg: str):
-    raise ValueError(f"dsa_overlay indexer: {msg}")
+    raise ValueError(f"dsa-overlay indexer: {msg}")
 
 
 def _fp4_unsupported(what: str):
     raise NotImplementedError(
-        f"dsa_overlay indexer: {what} is MXFP4; the Triton indexer implements the fp8 path only. "
+        f"dsa-overlay indexer: {what} is MXFP4; the Triton indexer implements the fp8 path only. "
         "Run without the FP4 indexer cache (attention_config.use_fp4_indexer_cache=False).")
 
 
