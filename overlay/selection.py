@@ -131,14 +131,20 @@ def choose_sparse_backend(
 
 
 def _current_index_topk() -> int | None:
-    try:
-        from vllm.config import get_current_vllm_config
+    """The model's `index_topk`, or None where there is none: no vLLM config in context (the selection
+    table of verify_hooks.py, profiling tools), no model config in it, or a model without the attribute
+    (or with `index_topk: null`). Any other value that is not a positive integer is an error."""
+    from vllm.config import get_current_vllm_config_or_none
 
-        hf_config = get_current_vllm_config().model_config.hf_config
-    except Exception:  # no config in context (tests, profiling tools): no extra limit applies
+    config = get_current_vllm_config_or_none()
+    model_config = getattr(config, "model_config", None)
+    topk = getattr(getattr(model_config, "hf_config", None), "index_topk", None)
+    if topk is None:
         return None
-    topk = getattr(hf_config, "index_topk", None)
-    return int(topk) if isinstance(topk, int) else None
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"the model config's index_topk={topk!r} is not a positive integer; fix the model's "
+                         "config.json (or the GGUF's glm-dsa.attention.indexer.top_k)")
+    return topk
 
 
 def upstream_validation(device_capability, attn_selector_config, num_heads=None):
