@@ -28,7 +28,7 @@ def overlay_modules() -> list[str]:
 
 
 def expected_selftest(cuda: bool) -> dict | None:
-    """verify's kernel self-test entry: absent until the runtime tree ships kernels/selftest.py."""
+    """verify's kernel self-test entry: none until the runtime tree ships the GPU self-test."""
     if not (REPO / "overlay/kernels/selftest.py").is_file():
         return None
     return {"ok": True, "report": "passed" if cuda else "skipped: no CUDA device"}
