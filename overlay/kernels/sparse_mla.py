@@ -324,6 +324,11 @@ def _sparse_mla_combine_kernel(
 INTERPRETED = type(_sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
 
 
+def _interpreting() -> bool:
+    """The old name of INTERPRETED, kept for the kernel tests that still call it."""
+    return INTERPRETED
+
+
 @dataclass(frozen=True)
 class SparseMLAConfig:
     """Launch configuration of :func:`sparse_mla_attention`.
