@@ -151,7 +151,7 @@ ISOLATE_COMPARISONS = [
 # Noise floors: upstream against itself on the same weights and prompts, with a change that only
 # reorders bf16 arithmetic (CUDA graphs + torch.compile, another prefill chunking). On a tiny random
 # model a bf16-sized difference in layer 0 grows through softmax and the indexer's top-k boundary
-# (FACTS.md; the 2026-11-29 isolation run: upstream graphs vs eager kept 1 of 48 greedy steps), so
+# (bench/RESULTS.md; the 2026-11-29 isolation run: upstream graphs vs eager kept 1 of 48 greedy steps), so
 # "identical greedy tokens" is a property of the model, not of the kernels. A checked comparison
 # therefore passes when (1) its TF mean |dlogprob| <= FLOOR_FACTOR x the largest floor of its cache
 # dtype and its TF top-5 overlap is no lower than the lowest floor's minus 0.02; (2) at every prompt's
@@ -357,7 +357,8 @@ def make_model(out_dir: Path, overrides: dict) -> None:
     torch.manual_seed(0)
     model = GlmMoeDsaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out_dir)
-    # vLLM builds gate.e_score_correction_bias only for topk_method == "noaux_tc" (FACTS.md)
+    # vLLM builds gate.e_score_correction_bias only for topk_method == "noaux_tc" (0.23.0 deepseek_v2.py), a
+    # field transformers' GlmMoeDsaConfig lacks: without it the saved model fails to load (KeyError)
     path = out_dir / "config.json"
     data = json.loads(path.read_text())
     data.update(topk_method="noaux_tc", scoring_func="sigmoid", torch_dtype="bfloat16")
@@ -666,7 +667,7 @@ def report(args, how, log, results, runs, comparisons, dumps, elapsed) -> tuple[
                   f"top-k sets agree for >= {LAYER0_SAME_SET:.1%} of tokens and the attention "
                   f"output's per-token error p99 is <= {LAYER0_ERR_P99['auto']:.0e} (bf16) / "
                   f"{LAYER0_ERR_P99['fp8_ds_mla']:.0e} (fp8_ds_mla). Why a noise floor and not "
-                  "identical greedy tokens: FACTS.md and bench/RESULTS.md (upstream against itself "
+                  "identical greedy tokens: bench/RESULTS.md (upstream against itself "
                   "keeps 1 of 48 greedy steps on this model)."]
     tps = {n: results.get(n, {}).get("decode_tok_s") for n, *_ in runs}
     for kv in ("bf16", "fp8_ds_mla"):

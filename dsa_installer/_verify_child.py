@@ -3,7 +3,9 @@
 Imports each module with SITE first on sys.path and writes the outcome as JSON to OUT.json. Must not
 import dsa_installer (the target interpreter need not have it)."""
 
+import contextlib
 import importlib
+import io
 import json
 import sys
 import time
@@ -20,6 +22,18 @@ def _call(fn):
         return True, fn()
     except BaseException as exc:  # noqa: BLE001 - everything is a verify failure, reported
         return False, _error(exc)
+
+
+def run_selftest(main) -> dict:
+    """Call a self-test's main() with its stdout captured: {"ok", "report"}, the report being the lines it
+    printed (one per check), then why it failed. Passed: main() returned None, 0 or True (not 1 or False,
+    which compare equal to True and 0)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        ok, value = _call(main)
+    passed = ok and (value is None or value is True or (type(value) is int and value == 0))
+    why = [] if passed else [value if not ok else f"main() returned {value!r}"]
+    return {"ok": passed, "report": "\n".join(buf.getvalue().splitlines() + why) or "passed"}
 
 
 def main() -> None:
@@ -39,9 +53,8 @@ def main() -> None:
         if not ok:
             result["selftest"] = {"ok": False, "report": f"torch does not import: {has_gpu}"}
         elif has_gpu:
-            ok, value = _call(lambda: importlib.import_module("vllm._dsa_overlay.kernels.selftest").main())
-            ok = ok and value in (None, 0, True)
-            result["selftest"] = {"ok": ok, "report": "passed" if ok else str(value)}
+            result["selftest"] = run_selftest(
+                lambda: importlib.import_module("vllm._dsa_overlay.kernels.selftest").main())
         else:
             result["selftest"] = {"ok": True, "report": "skipped: no CUDA device"}
     out.write_text(json.dumps(result))

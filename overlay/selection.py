@@ -30,7 +30,7 @@ PORTABLE_ENV = "DSA_OVERLAY_PORTABLE"
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_ds_mla")
 MIN_CAPABILITY = (8, 0)
 # Upstream sparse backends whose kernels need index_topk % 128 == 0 (FlashMLA's sparse path asserts
-# it; measured on the H200, see FACTS.md). vLLM's validate_configuration cannot know index_topk.
+# it: seen on the H200 with vLLM 0.23.0). vLLM's validate_configuration cannot know index_topk.
 TOPK_MULTIPLE_OF_128 = ("FLASHMLA_SPARSE",)
 
 _TRUE = {"1", "true", "yes", "on"}

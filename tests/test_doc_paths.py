@@ -48,14 +48,7 @@ PLACEHOLDER = re.compile(r"<[^>]*>|\{[^}]*\}|\bX\b|\bVERSION\b|\.\.\.|^[a-z](?=\
 KNOWN_DEAD = {
     ("ARCHITECTURE.md", "tests/gpu/"),  # the gpu tests carry the `gpu` marker; there is no tests/gpu/
     ("ARCHITECTURE.md", "tests/kernels/conftest.py"),
-    ("CHANGELOG.md", "dsa_overlay/kernels/sparse_mla.py"),  # now overlay/kernels/
-    ("CHANGELOG.md", "dsa_overlay/kernels/indexer.py"),
-    ("bench/RESULTS.md", "FACTS.md"),  # FACTS.md is not in the repository: cite bench/RESULTS.md or say it
-    ("bench/e2e_proof.py", "FACTS.md"),
-    ("overlay/selection.py", "FACTS.md"),
     ("bench/e2e_proof.py", "tests/backend/vllm_stage.py"),  # deleted
-    ("bench/README.md", ".devrun/deep_gemm_0171.py"),  # says .devrun/ is git-ignored; .gitignore lacks it
-    ("dsa_installer/verify.py", "vllm/_dsa_overlay/kernels/selftest.py"),  # until overlay/kernels/selftest.py ships
 }
 
 

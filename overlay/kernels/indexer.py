@@ -1,15 +1,16 @@
 """DSA indexer logits without DeepGEMM: Triton fp8 MQA logits for prefill and paged decode.
 
-DeepSeek Sparse Attention picks, for every query token, the top-k key positions by an "indexer"
-score.  vLLM computes that score with DeepGEMM (`fp8_mqa_logits`, `fp8_paged_mqa_logits`), which
-exists only for compute capability 9.x/10.x and only for 32 or 64 index heads.  This module provides
-the same functions as Triton kernels for sm_80, sm_86, sm_89, sm_90 and sm_120, any head count:
+What it computes: DeepSeek Sparse Attention picks, for every query token, the top-k key positions by
+an "indexer" score,
 
     logits[m, n] = scale_k[n] * sum_h weights[m, h] * relu(q[m, h, :] . k[n, :])
 
 with q and k in fp8 e4m3 (D = 128) and one fp32 dequantisation scale per key.  The scale is applied
 after the ReLU and the head sum, like DeepGEMM; the two forms agree because every vLLM writer of the
 indexer cache stores positive scales (`max(amax, 1e-4) / 448`, optionally rounded up to a power of 2).
+vLLM computes it with DeepGEMM (`fp8_mqa_logits`, `fp8_paged_mqa_logits`), which exists only for
+compute capability 9.x/10.x and only for 32 or 64 index heads; these kernels run on sm_80, sm_86,
+sm_89, sm_90 and sm_120, any head count.
 
 Public functions (drop-in for `vllm.utils.deep_gemm`):
 
@@ -18,13 +19,14 @@ Public functions (drop-in for `vllm.utils.deep_gemm`):
   MXFP4 query or cache raises `NotImplementedError`), `get_paged_mqa_logits_metadata`.
 * Float references and a cache writer for tests: `fp8_mqa_logits_ref`, `fp8_paged_mqa_logits_ref`,
   `indexer_k_quant_and_cache_ref`.
+* The launch heuristic: `prefill_config`, `decode_config`, `launch_configs`.
 
-The paged cache layout (vLLM's `indexer_k_quant_and_cache`, measured on an H200 against DeepGEMM):
-the cache is allocated as uint8 `[num_blocks, block_size, D + 4]` and handed to the logits kernel as
-the view `[num_blocks, block_size, 1, D + 4]`, but it is *not* token-interleaved.  Each physical
-block (`kv_cache.stride(0)` bytes apart) holds `block_size * D` fp8 bytes (token t's values at byte
-`t * D`), followed by `block_size` little-endian float32 scales (token t's at byte
-`block_size * D + 4 * t`).
+Input layouts: the paged cache as vLLM's `indexer_k_quant_and_cache` writes it (measured on an H200
+against DeepGEMM) is allocated as uint8 `[num_blocks, block_size, D + 4]` and handed to the logits
+kernel as the view `[num_blocks, block_size, 1, D + 4]`, but it is *not* token-interleaved.  Each
+physical block (`kv_cache.stride(0)` bytes apart) holds `block_size * D` fp8 bytes (token t's values
+at byte `t * D`), followed by `block_size` little-endian float32 scales (token t's at byte
+`block_size * D + 4 * t`).  Every argument is documented on the public functions.
 
 How the kernels work: a tile of BLOCK_N keys is multiplied by all heads of a few query tokens at once
 (`K[BLOCK_N, D] @ Q[T * H, D]^T`, the key rows as the MMA's M dimension), then ReLU, head weights and
@@ -37,12 +39,20 @@ persistent kernel that splits the total number of key tiles of all requests even
 programs, so it needs no scheduling metadata and stays CUDA-graph safe (its grid depends only on
 the device).
 
-Self-contained: imports torch and triton only (Triton 3.5 and 3.6).
+Launch configuration: a `PrefillConfig` / `DecodeConfig` (named fields, the kernels' constexprs
+among them), picked per launch by `prefill_config` / `decode_config` from the named tuning tables
+`PREFILL_TUNING` / `DECODE_TUNING`, keyed by GPU family, and the shape.  No autotuning.
+Measurements behind the tables: bench/RESULTS.md.
+
+Self-contained: torch and triton only (Triton 3.5 and 3.6): `apply` drops this file into vLLM as
+`vllm/_dsa_overlay/kernels/indexer.py`.  Runs on the CPU when `TRITON_INTERPRET=1` is set before
+import (`INTERPRETED`; tests).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -67,6 +77,12 @@ __all__ = [
     "DOT_BYTES_FP32",
     "prefill_config",
     "decode_config",
+    "PrefillConfig",
+    "DecodeConfig",
+    "PrefillTuning",
+    "DecodeTuning",
+    "PREFILL_TUNING",
+    "DECODE_TUNING",
 ]
 
 HEAD_DIM = 128
@@ -364,10 +380,94 @@ def _paged_mqa_logits_kernel(
 
 
 # Kernels decorated while TRITON_INTERPRET=1 was set run on the CPU (Triton reads it at decoration).
+# The interpreter's bf16 dot is wrong (Triton 3.6 + numpy 2.x), so the kernels then multiply in fp32
+# (DOT_FP32).
 INTERPRETED = type(_mqa_logits_kernel).__name__ == "InterpretedFunction"
 
 MAX_HEADS = 128
 SUPPORTED_CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch configuration of the prefill kernel (`fp8_mqa_logits`).  Upper-case fields are the
+    kernel's constexprs of the same name.
+
+    HP: index heads padded to a power of two >= 16 (masked); BT: query tokens per program, so one
+    MMA is [BLOCK_N, D] x [D, BT * HP]; BLOCK_N: keys per tile; DOT_MODE: how the MMA multiplies
+    (DOT_FP8 / DOT_BF16 / DOT_FP32 / DOT_BYTES_FP32); num_warps, num_stages: Triton launch options;
+    splits: programs over the keys (None: the launcher aims for 4 programs per SM).
+    """
+
+    HP: int
+    BT: int
+    BLOCK_N: int
+    DOT_MODE: int
+    num_warps: int
+    num_stages: int
+    splits: int | None = None
+
+    def constexprs(self) -> dict:
+        """The kernel's constexpr arguments (but D)."""
+        return dict(HP=self.HP, BT=self.BT, BLOCK_N=self.BLOCK_N, DOT_MODE=self.DOT_MODE)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch configuration of the paged decode kernel (`fp8_paged_mqa_logits`).  Upper-case fields
+    are the kernel's constexprs of the same name.
+
+    HP: padded index heads; T: query tokens per launch (next_n > T runs as several launches);
+    BLOCK_N: keys per tile; BLOCK_B: requests counted per step of the work split; DOT_MODE: as
+    PrefillConfig; SCALES_AHEAD: prefetch each tile's key scales one tile ahead; HOIST_Q: keep a
+    request's query operand in registers for all its tiles; NESTED: walk request by request with a
+    pipelined inner tile loop (else one work item per iteration); num_warps, num_stages: Triton
+    launch options; per_sm: persistent programs per SM; programs: an explicit program count instead.
+    """
+
+    HP: int
+    T: int
+    BLOCK_N: int
+    BLOCK_B: int
+    DOT_MODE: int
+    SCALES_AHEAD: bool
+    HOIST_Q: bool
+    NESTED: bool
+    num_warps: int
+    num_stages: int
+    per_sm: int
+    programs: int | None = None
+
+    def constexprs(self) -> dict:
+        """The kernel's constexpr arguments (but D)."""
+        return dict(HP=self.HP, T=self.T, BLOCK_N=self.BLOCK_N, BLOCK_B=self.BLOCK_B,
+                    DOT_MODE=self.DOT_MODE, SCALES_AHEAD=bool(self.SCALES_AHEAD),
+                    HOIST_Q=bool(self.HOIST_Q), NESTED=bool(self.NESTED))
+
+
+@dataclass(frozen=True)
+class PrefillTuning:
+    """Prefill tuning-table entry of a GPU family: MMA columns (BT * HP) to aim for, the key tile and
+    the launch options."""
+
+    mma_cols: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Decode tuning-table entry of a GPU family: the most MMA columns (T * HP), the key tile (and the
+    larger one used when the batch fills every program with it), the launch options and the
+    persistent programs per SM."""
+
+    max_mma_cols: int
+    block_n: int
+    block_n_large: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
 
 
 def dot_mode_for_capability(capability) -> int:
@@ -386,26 +486,32 @@ def _padded_heads(heads: int) -> int:
     return max(16, _next_pow2(heads))
 
 
-# Per-capability tile table.  sm_90 is measured (H200, vLLM 0.23.0, GLM-5 shapes: see
-# bench/bench_indexer.py and its --focus mode); the other targets keep the tiles the cross-compile
-# test proves spill-free, unmeasured.
-#   prefill: (MMA columns BT * HP, BLOCK_N, num_warps, num_stages)
-#   decode:  (max MMA columns T * HP, BLOCK_N small / large, num_warps, num_stages, programs per SM)
-_PREFILL_TABLE = {
-    "hopper": (256, 64, 4, 4),     # H200 sweep: 594.8 us vs 676.9 us (128/8 warps/3) at 4096 x 16384
-    "fp8": (128, 64, 8, 3),        # sm_89 / sm_120: mma.sync, 99 KB shared memory
-    "bf16": (128, 64, 8, 3),       # sm_80 / sm_86: e4m3 decoded in registers
-    "interp": (128, 64, 8, 3),
+# Tuning tables, keyed by GPU family (see _family).  "hopper" is measured on the H200 (GLM-5 shapes,
+# bench/bench_indexer.py and its --focus mode); the other families keep tiles the cross-compile test
+# (tests/kernels/test_indexer_xcompile.py) proves spill-free, unmeasured.
+# tile choice measured: bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
+PREFILL_TUNING: dict[str, PrefillTuning] = {
+    "hopper": PrefillTuning(mma_cols=256, block_n=64, num_warps=4, num_stages=4),
+    "fp8": PrefillTuning(mma_cols=128, block_n=64, num_warps=8, num_stages=3),    # mma.sync, 99 KB smem
+    "bf16": PrefillTuning(mma_cols=128, block_n=64, num_warps=8, num_stages=3),   # e4m3 decoded in registers
+    "interp": PrefillTuning(mma_cols=128, block_n=64, num_warps=8, num_stages=3),
 }
-_DECODE_TABLE = {
-    "hopper": (256, 64, 128, 4, 3, 4),   # H200 sweep: BLOCK_N 128 387.6 us vs 537.7 us (B=128 ctx=64K)
-    "fp8": (128, 64, 64, 4, 3, 4),
-    "bf16": (64, 64, 64, 8, 3, 4),
-    "interp": (256, 64, 64, 4, 3, 4),
+DECODE_TUNING: dict[str, DecodeTuning] = {
+    "hopper": DecodeTuning(max_mma_cols=256, block_n=64, block_n_large=128, num_warps=4, num_stages=3,
+                           programs_per_sm=4),
+    "fp8": DecodeTuning(max_mma_cols=128, block_n=64, block_n_large=64, num_warps=4, num_stages=3,
+                        programs_per_sm=4),
+    "bf16": DecodeTuning(max_mma_cols=64, block_n=64, block_n_large=64, num_warps=8, num_stages=3,
+                         programs_per_sm=4),
+    "interp": DecodeTuning(max_mma_cols=256, block_n=64, block_n_large=64, num_warps=4, num_stages=3,
+                           programs_per_sm=4),
 }
 
 
 def _family(capability) -> str:
+    """Tuning-table family of a (major, minor) capability, by how the MMA multiplies: "hopper" (sm_90,
+    wgmma), "fp8" (sm_89 / sm_12x, fp8 mma.sync), "bf16" (sm_80 / sm_86, e4m3 decoded to bf16),
+    "interp" (None: the interpreter)."""
     if capability is None:
         return "interp"
     if dot_mode_for_capability(capability) == DOT_BF16:
@@ -413,21 +519,26 @@ def _family(capability) -> str:
     return "hopper" if tuple(capability)[0] == 9 else "fp8"
 
 
-def prefill_config(capability, heads: int) -> dict:
+@functools.cache
+def prefill_config(capability, heads: int) -> PrefillConfig:
     """Tile choice of the prefill kernel for a device of `capability` ((major, minor), or None for
     the interpreter) and `heads` index heads.  BT query tokens share each key tile, so one MMA is
-    [BLOCK_N, D] x [D, BT * HP] with HP the padded head count (at most MAX_HEADS)."""
+    [BLOCK_N, D] x [D, BT * HP] with HP the padded head count (at most MAX_HEADS).  Cached (the
+    result is frozen)."""
     hp = _padded_heads(heads)
-    cols, block_n, warps, stages = _PREFILL_TABLE[_family(capability)]
-    return dict(HP=hp, BT=max(1, min(8, cols // hp)), BLOCK_N=block_n, num_warps=warps,
-                num_stages=stages, DOT_MODE=dot_mode_for_capability(capability))
+    tune = PREFILL_TUNING[_family(capability)]
+    return PrefillConfig(HP=hp, BT=max(1, min(8, tune.mma_cols // hp)), BLOCK_N=tune.block_n,
+                         DOT_MODE=dot_mode_for_capability(capability), num_warps=tune.num_warps,
+                         num_stages=tune.num_stages)
 
 
+@functools.cache
 def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
-                  max_len: int | None = None, num_sms: int | None = None) -> dict:
+                  max_len: int | None = None, num_sms: int | None = None) -> DecodeConfig:
     """Tile choice of the paged decode kernel: T query tokens of one request (1 or 2, what vLLM
     passes natively; a larger next_n runs as several launches of T tokens) against BLOCK_N cached
     keys, with the requests' work counted BLOCK_B at a time, on `per_sm` * SMs persistent programs.
+    Cached (the result is frozen).
 
     The key tile grows (fewer, larger tiles: less per-tile overhead, more bytes in flight) when the
     batch could fill every program with large tiles: batch * cdiv(max_len, BLOCK_N_large) >=
@@ -435,31 +546,32 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
     max_model_len, an upper bound; batch=None picks the large tile."""
     hp = _padded_heads(heads)
     fam = _family(capability)
-    max_cols, bn_small, bn_large, warps, stages, per_sm = _DECODE_TABLE[fam]
+    tune = DECODE_TUNING[fam]
     # Register budget (no spills, checked by the cross-compile test): sm_80/86 decode e4m3 in
     # registers, sm_89/120 keep the mma.sync accumulator there; Hopper's wgmma affords more.
-    t = max(1, min(_next_pow2(next_n), 2, max_cols // hp))
-    block_n = 32 if fam == "bf16" and t * hp > 64 else bn_small
-    if bn_large > bn_small and block_n == bn_small and t * hp <= 128:
+    t = max(1, min(_next_pow2(next_n), 2, tune.max_mma_cols // hp))
+    block_n = 32 if fam == "bf16" and t * hp > 64 else tune.block_n
+    if tune.block_n_large > tune.block_n and block_n == tune.block_n and t * hp <= 128:
         big_enough = (batch is None or max_len is None or num_sms is None
-                      or batch * -(-int(max_len) // bn_large) >= per_sm * num_sms)
-        block_n = bn_large if big_enough else block_n
+                      or batch * -(-int(max_len) // tune.block_n_large) >= tune.programs_per_sm * num_sms)
+        block_n = tune.block_n_large if big_enough else block_n
     # The per-request walk (q hoisted, pipelined tile loop) fits the registers only on sm_90 up to
     # 128 MMA columns; elsewhere the flat one-item-per-iteration loop (spill-free, cross-compiled).
     nested = fam == "interp" or (fam == "hopper" and t * hp <= 128)
-    # H200 focus run (bench/results/h200-indexer-focus-run2.md): prefetching the per-key scales one tile
-    # ahead lifts the large-tile walk from 0.78-0.79x to 0.87-0.89x DeepGEMM; with the small tile it loses.
-    ahead = fam == "hopper" and nested and block_n == bn_large
-    return dict(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, num_warps=warps, num_stages=stages,
-                per_sm=per_sm, SCALES_AHEAD=ahead, HOIST_Q=nested, NESTED=nested,
-                DOT_MODE=dot_mode_for_capability(capability))
+    # Scale prefetch with the large tile only (it loses with the small one).
+    # measured: bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
+    ahead = fam == "hopper" and nested and block_n == tune.block_n_large
+    return DecodeConfig(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, DOT_MODE=dot_mode_for_capability(capability),
+                        SCALES_AHEAD=ahead, HOIST_Q=nested, NESTED=nested, num_warps=tune.num_warps,
+                        num_stages=tune.num_stages, per_sm=tune.programs_per_sm)
 
 
-def launch_configs(capability) -> list[tuple[str, dict]]:
+def launch_configs(capability) -> list[tuple[str, PrefillConfig | DecodeConfig]]:
     """Every (kernel name, config) the launchers can pick on `capability`: all head counts up to
-    MAX_HEADS, every next_n (next_n > 2 reuses T = 2), small and large decode tiles, and on sm_89+
-    the scale-prefetching decode variant (SCALES_AHEAD; the sm_90 default for the large tile).  Used by the cross-compile test to check shared memory and spills."""
-    out, seen = [], set()
+    MAX_HEADS, every next_n (next_n > 2 reuses T = 2), small and large decode tiles, and on sm_90
+    the scale-prefetching decode variant (SCALES_AHEAD; the default there for the large tile).  Used
+    by the cross-compile test to check shared memory and spills."""
+    out = []
     hp = 16
     while hp <= MAX_HEADS:
         cands = [("prefill", prefill_config(capability, hp))]
@@ -467,41 +579,40 @@ def launch_configs(capability) -> list[tuple[str, dict]]:
             for batch in (1, None):
                 cfg = decode_config(capability, hp, n, batch, 1, 1)
                 cands.append(("decode", cfg))
-                if cfg["NESTED"] and _family(capability) == "hopper":   # spills elsewhere
-                    cands.append(("decode", dict(cfg, SCALES_AHEAD=True)))
-        for name, cfg in cands:
-            key = (name, tuple(sorted(cfg.items())))
-            if key not in seen:
-                seen.add(key)
-                out.append((name, cfg))
+                if cfg.NESTED and _family(capability) == "hopper":   # spills elsewhere
+                    cands.append(("decode", replace(cfg, SCALES_AHEAD=True)))
+        for c in cands:
+            if c not in out:
+                out.append(c)
         hp *= 2
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_info(device_index: int):
+def _with_overrides(cfg, overrides):
+    """`cfg` with the `_config` test/benchmark overrides applied (a dict of field values, or a whole
+    config of the same kind)."""
+    if not overrides:
+        return cfg
+    if isinstance(overrides, type(cfg)):
+        return overrides
+    return replace(cfg, **overrides)
+
+
+@functools.cache
+def _cuda_info(device_index: int) -> tuple[tuple[int, int], int]:
     props = torch.cuda.get_device_properties(device_index)
     return (props.major, props.minor), props.multi_processor_count
 
 
 def _device_info(device: torch.device):
-    """(capability or None, number of SMs) for launching on `device`."""
+    """(capability or None, number of SMs) the tables are read for on `device`; the interpreter
+    plans for 4 SMs."""
     if INTERPRETED:
         return None, 4
     if device.type != "cuda":
         _fail(f"tensors are on {device}; the Triton indexer needs CUDA tensors (or "
               "TRITON_INTERPRET=1 set before this module is imported, for CPU tests)")
     return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _prefill_cfg(capability, heads):
-    return prefill_config(capability, heads)
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_cfg(capability, heads, next_n, batch, max_len, num_sms):
-    return decode_config(capability, heads, next_n, batch, max_len, num_sms)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -556,7 +667,7 @@ def fp8_mqa_logits(
     cu_seqlen_ke: torch.Tensor,
     clean_logits: bool,
     *,
-    _config: dict | None = None,
+    _config: dict | PrefillConfig | None = None,
     _out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indexer logits of M query tokens against N contiguous keys (prefill; DeepGEMM drop-in).
@@ -578,8 +689,8 @@ def fp8_mqa_logits(
         logits: [M, N] float32, logits[m, n] = k_scales[n] * sum_h weights[m, h] *
         relu(q[m, h] . k[n]) for ks[m] <= n < ke[m].
 
-    `_config` (tile overrides) and `_out` (a preallocated [M, N] float32 result) are for tests and
-    benchmarks.
+    `_config` (a PrefillConfig, or a dict of its fields to override in the default) and `_out` (a
+    preallocated [M, N] float32 result) are for tests and benchmarks.
     """
     k, k_scales = kv
     if q.dim() != 3:
@@ -618,16 +729,14 @@ def fp8_mqa_logits(
     if M == 0 or N == 0:
         return logits
     capability, num_sms = _device_info(q.device)
-    cfg = _prefill_cfg(capability, H)
-    if _config:
-        cfg = {**cfg, **_config}
-    bn, bt = cfg["BLOCK_N"], cfg["BT"]
+    cfg = _with_overrides(prefill_config(capability, H), _config)
+    bn, bt = cfg.BLOCK_N, cfg.BT
     m_groups = triton.cdiv(M, bt)
     n_tiles = triton.cdiv(N, bn)
-    splits = cfg.get("splits") or max(1, min(n_tiles, triton.cdiv(4 * num_sms, m_groups)))
+    splits = cfg.splits or max(1, min(n_tiles, triton.cdiv(4 * num_sms, m_groups)))
     n_per_split = triton.cdiv(n_tiles, splits) * bn
     splits = triton.cdiv(N, n_per_split)
-    if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
+    if cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32):
         q, k = q.view(torch.uint8), k.view(torch.uint8)
     _mqa_logits_kernel[(m_groups, splits)](
         q, k, k_scales, weights, ks, ke, logits,
@@ -635,8 +744,7 @@ def fp8_mqa_logits(
         q.stride(0), q.stride(1), k.stride(0), weights.stride(0), weights.stride(1),
         logits.stride(0),
         n_per_split, int(bool(clean_logits)),
-        D=D, HP=cfg["HP"], BT=bt, BLOCK_N=bn, DOT_MODE=cfg["DOT_MODE"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return logits
 
@@ -719,7 +827,7 @@ def fp8_paged_mqa_logits(
     max_model_len: int,
     clean_logits: bool,
     *,
-    _config: dict | None = None,
+    _config: dict | DecodeConfig | None = None,
     _out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indexer logits of next_n query tokens per request against the paged fp8 indexer cache
@@ -749,7 +857,8 @@ def fp8_paged_mqa_logits(
         logits: [B * next_n, max_model_len] float32, row b * next_n + j, column n <
         visible(b, j): k_scale[n] * sum_h weights[row, h] * relu(q[b, j, h] . k[n]).
 
-    `_config` (tile overrides) and `_out` (a preallocated result) are for tests and benchmarks.
+    `_config` (a DecodeConfig, or a dict of its fields to override in the default) and `_out` (a
+    preallocated result) are for tests and benchmarks.
     """
     q = q_fp8
     if q.dim() != 4:
@@ -791,12 +900,10 @@ def fp8_paged_mqa_logits(
     if B == 0 or max_model_len == 0:
         return logits
     capability, num_sms = _device_info(q.device)
-    cfg = _decode_cfg(capability, H, next_n, B, max_model_len, num_sms)
-    if _config:
-        cfg = {**cfg, **_config}
-    programs = cfg.get("programs") or cfg["per_sm"] * num_sms
-    t = cfg["T"]
-    if cfg["DOT_MODE"] in (DOT_BF16, DOT_BYTES_FP32):
+    cfg = _with_overrides(decode_config(capability, H, next_n, B, max_model_len, num_sms), _config)
+    programs = cfg.programs or cfg.per_sm * num_sms
+    t = cfg.T
+    if cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32):
         q = q.view(torch.uint8)   # sm_80/86 Triton has no e4m3 type: pass raw bytes
     for j0 in range(0, next_n, t):
         _paged_mqa_logits_kernel[(programs,)](
@@ -804,10 +911,7 @@ def fp8_paged_mqa_logits(
             B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
             stride_cb, stride_cj, block_tables.stride(0), stride_blk, logits.stride(0),
-            D=D, HP=cfg["HP"], T=t, BLOCK_N=cfg["BLOCK_N"], BLOCK_B=cfg["BLOCK_B"],
-            DOT_MODE=cfg["DOT_MODE"], SCALES_AHEAD=bool(cfg.get("SCALES_AHEAD", False)),
-            HOIST_Q=bool(cfg.get("HOIST_Q", True)), NESTED=bool(cfg.get("NESTED", True)),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return logits
 

@@ -1,11 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sparse MLA attention (DeepSeek Sparse Attention, absorbed/MQA form) in Triton.
 
-Self-contained (torch + triton only): ``apply`` drops this very file into vLLM as
-``vllm/_dsa_overlay/kernels/sparse_mla.py``. Runs on Triton 3.5.x and 3.6.x, on every NVIDIA GPU from
-sm_80 on (A100, A6000/RTX 30xx sm_86, L40S/RTX 40xx sm_89, H100/H200 sm_90, RTX 50xx/RTX PRO 6000 sm_120),
-and on the CPU through ``TRITON_INTERPRET=1`` (tests).
-
 What it computes, per query token ``t`` and head ``h`` (MLA with the up-projections absorbed: one latent
 KV row of 576 = 512 "nope" (kv_lora_rank) + 64 "rope" values per cached token, shared by all heads):
 
@@ -14,29 +9,44 @@ KV row of 576 = 512 "nope" (kv_lora_rank) + 64 "rope" values per cached token, s
     out[t,h] = sum_j softmax(score)[j] * kv[S_t[j], :512]
     lse[t,h] = log(sum_j exp(score[j]))                     (natural log)
 
-Design: one program per (token, group of BLOCK_H heads, split of the top-k list). Heads are the M dimension
-of ``tl.dot`` (padded to BLOCK_H >= 16 with masks, never by the caller), BLOCK_N gathered KV rows are N (for
-Q.K^T) and K (for P.V); the 512-wide nope part is handled as four 128-wide tiles, which is also the fp8
-quantisation tile, so dequantisation (uint8 -> float8e4nv -> x per-row tile scale) happens in registers
-right after the gather. Online softmax runs in fp32 with exp2. With ``num_splits > 1`` every split writes
-a normalised fp32 partial output and its lse, and a second small kernel merges the splits by lse (one
-pass with an online max; one program per row over all 512 columns, the split reduction inside each
-thread, up to 16 splits; 32 splits x 128 columns, four programs per row, above that).
-Two constexpr variants, chosen per table tile (SparseMLAConfig): ``dv_split=2`` gives each row's 512 output
-columns to two programs (each recomputes the 576-wide scores; half the fp32 accumulator), and
-``fp8_post_scale`` applies the fp8 tile scales to the [heads, rows] scores and to P instead of to the
-[rows, 512] tile. Both are correct everywhere (interpreter tests); whether they are faster is for the
-H200 benchmark (``bench/bench_sparse_mla.py --focus``) to say, so the sm_90 table does not use them yet.
+Public functions: ``sparse_mla_attention`` (the kernel; FlashMLA's sparse decode/prefill in one call),
+``sparse_mla_reference`` (plain torch, float32), ``choose_config`` / ``split_count`` / ``candidate_tiles``
+(the launch heuristic and the tiles it can pick).
 
-Tile sizes are constexprs picked per launch by :func:`choose_config` from (T, H, topk, SM count,
-capability); the number of splits is a runtime argument, so a new batch size never recompiles.
+Input layouts: the KV cache is bf16 [.., 576] or vLLM's ``fp8_ds_mla`` [.., 656] bytes per token (512
+float8_e4m3fn values in four 128-value tiles, four float32 tile scales, 64 bf16 rope values); every argument
+is documented on :func:`sparse_mla_attention`.
+
+How the kernels work: one program per (token, group of BLOCK_H heads, split of the top-k list). Heads are
+the M dimension of ``tl.dot`` (padded to BLOCK_H >= 16 with masks, never by the caller), BLOCK_N gathered
+KV rows are N (for Q.K^T) and K (for P.V); the 512-wide nope part is handled as four 128-wide tiles, which
+is also the fp8 quantisation tile, so dequantisation (uint8 -> float8e4nv -> x per-row tile scale) happens
+in registers right after the gather (sm_80/86, which have no e4m3 type, decode the bits by hand). Online
+softmax runs in fp32 with exp2. With ``num_splits > 1`` every split writes a normalised fp32 partial
+output and its lse, and a second small kernel merges the splits by lse (one pass with an online max; one
+program per row over all 512 columns, the split reduction inside each thread, up to 16 splits; 32 splits
+x 128 columns, four programs per row, above that). Two constexpr variants exist for the tables to pick:
+``dv_split=2`` gives each row's 512 output columns to two programs (each recomputes the 576-wide scores;
+half the fp32 accumulator), and ``fp8_post_scale`` applies the fp8 tile scales to the [heads, rows]
+scores and to P instead of to the [rows, 512] tile. Both are correct everywhere (interpreter tests); both
+measured slower on the H200 (bench/RESULTS.md), so no table uses them.
+
+Launch configuration: a :class:`SparseMLAConfig` (named fields; tile sizes are constexprs, the number of
+splits a runtime argument, so a new batch size never recompiles), picked per launch by
+:func:`choose_config` from the named tuning tables below, keyed by GPU family and head bucket. No
+autotuning. Measurements behind the tables: bench/RESULTS.md.
+
+Self-contained: torch and triton only (Triton 3.5 and 3.6): ``apply`` drops this file into vLLM as
+``vllm/_dsa_overlay/kernels/sparse_mla.py``. Runs on every NVIDIA GPU from sm_80 on (A100, A6000/RTX 30xx
+sm_86, L40S/RTX 40xx sm_89, H100/H200 sm_90, RTX 50xx/RTX PRO 6000 sm_120), and on the CPU when
+``TRITON_INTERPRET=1`` is set before import (``INTERPRETED``; tests).
 """
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,6 +59,9 @@ __all__ = [
     "choose_config",
     "split_count",
     "candidate_tiles",
+    "SparseMLATuning",
+    "FOCUS_CONFIGS",
+    "INTERPRETED",
     "KV_FORMATS",
     "FP8_DS_MLA_BYTES",
 ]
@@ -60,18 +73,8 @@ FP8_TILE = 128  # fp8_ds_mla quantisation tile (one float32 scale per 128 values
 FP8_DS_MLA_BYTES = KV_LORA_RANK + 4 * (KV_LORA_RANK // FP8_TILE) + 2 * ROPE_DIM  # 512 + 16 + 128 = 656
 KV_FORMATS = ("bf16", "fp8_ds_mla")
 
-# Split merge launch buckets: (max splits, CHUNK_S, BLOCK_D), the first that holds the split count.
-# Up to 16 splits: one program per (token, head) row over all 512 columns, the split reduction inside each
-# thread (run 1's layout, which measured fine at mid batch), in one memory round trip instead of run 1's
-# two. Above 16 splits (the latency regime, T*H small; 32 splits at T = 1): 32 splits x 128 columns, four
-# programs per row (run 2's batch-1 merge, 10.2-11.2 us at T = 1). The heuristic never emits more than 32
-# splits at the top-k of 2048; any count works (the kernel loops over chunks). Runs 2-3 used 4/8/32 x 128
-# tiles for every split count: 4 programs per row and a shared-memory split reduction (3 barriers), which
-# cost ~11 ns more per (token, head) row on the H200 than run 1's merge at 2-8 splits.
-_COMBINE_BUCKETS = ((2, 2, 512), (4, 4, 512), (8, 8, 512), (16, 16, 512), (None, 32, 128))
 _TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -315,6 +318,17 @@ def _sparse_mla_combine_kernel(
 # ----------------------------------------------------------------------------------------------------
 # Launch configuration
 # ----------------------------------------------------------------------------------------------------
+# Kernels decorated while TRITON_INTERPRET=1 was set run on the CPU (Triton reads it at decoration). The
+# interpreter's tl.dot on bf16 operands is wrong (Triton 3.6 + numpy 2.x), so the launcher then upcasts
+# the dot operands to float32 (DOT_F32); on a GPU the dots stay bf16.
+INTERPRETED = type(_sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _interpreting() -> bool:
+    """The old name of INTERPRETED, kept for the kernel tests that still call it."""
+    return INTERPRETED
+
+
 @dataclass(frozen=True)
 class SparseMLAConfig:
     """Launch configuration of :func:`sparse_mla_attention`.
@@ -330,6 +344,7 @@ class SparseMLAConfig:
         the dots instead of dequantising the [BLOCK_N, 512] tile (no effect on bf16).
     String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f],
         e.g. 'h64n64s1w8p3d2' (dv_split=2) or 'h16n32s8w4p2f' (fp8_post_scale).
+    Tuple form (``tile``, :func:`candidate_tiles`): everything but num_splits, in field order.
     """
 
     block_h: int = 16
@@ -342,7 +357,7 @@ class SparseMLAConfig:
 
     @property
     def tile(self) -> tuple[int, int, int, int, int, bool]:
-        """Everything but the split count (what a table entry holds; what one compile depends on)."""
+        """Everything but the split count (what one compile depends on), as a tuple."""
         return (self.block_h, self.block_n, self.num_warps, self.num_stages, self.dv_split,
                 self.fp8_post_scale)
 
@@ -363,86 +378,135 @@ class SparseMLAConfig:
         return cls(*(int(x) for x in g[:5]), int(g[5] or 1), g[6] == "f")
 
     @classmethod
-    def from_tile(cls, tile: tuple, num_splits: int = 1) -> "SparseMLAConfig":
+    def from_tile(cls, tile: "tuple | SparseMLAConfig", num_splits: int = 1) -> "SparseMLAConfig":
+        """The config of a tile (tuple form or a config) with ``num_splits`` splits."""
+        if isinstance(tile, SparseMLAConfig):
+            return replace(tile, num_splits=num_splits)
         bh, bn, nw, ns, dv, post = tile
         return cls(bh, bn, num_splits, nw, ns, dv, post)
 
 
-# Tile tables. A tile is (block_h, block_n, num_warps, num_stages) plus the number of programs per SM the
-# split rule aims for (2 for 4-warp tiles that fit twice on an SM, else 1). Every tile is cross-compiled
-# for its targets by tests/kernels/test_sparse_mla_xcompile.py (shared-memory limit, zero ptxas spills).
-# Capability classes: "sm90": Hopper, 227 KB shared memory per block; "sm80": A100, 163 KB;
-#   "sm8x": sm_86 / sm_89 / sm_120 (consumer and workstation parts, DGX Spark), 99 KB.
-# Measured there (Triton 3.6): BLOCK_H=64 with fp8 dequantisation spills on every mma.sync target
-# (sm_80/86/89/120), so those use two 32-head groups; BLOCK_H=64 x BLOCK_N=32 bf16 spills on sm_8x.
-#
-# Two regimes (choose_config):
-#   latency    - few (token, 16-head) rows (<= sm_count / 8): 16-head tiles, the top-k split into many
-#                short splits, one program per SM (_LATENCY_TILE);
-#   throughput - otherwise: the head bucket's tile (_TILE_TABLE), split only until the programs fill
-#                programs_per_sm x sm_count.
-# sm90 entries are the H200 sweep's fastest (bench/results/h200-sparse_mla-run1.md, Triton 3.6):
-#   latency h16n64w8p2 (bf16/fp8, T=1 H=8..128 and T=8 H<=16: 12.9-20.4 us, best or within 4%);
-#   H<=16: bf16 h16n64w4p2, fp8 h16n32w4p2 at two programs per SM (T=32/128: best);
-#   H>16: h64n64w8p3 at one program per SM (T=8..128 and prefill, both formats: best).
-_LATENCY_TILE: dict[tuple[str, str], tuple[tuple, int]] = {
-    ("sm90", "bf16"): ((16, 64, 8, 2, 1, False), 1),
-    ("sm90", "fp8_ds_mla"): ((16, 64, 8, 2, 1, False), 1),
-    ("sm80", "bf16"): ((16, 64, 4, 2, 1, False), 1),  # (16, 64, 8, 2) spills 4 B with Triton 3.5
-    ("sm80", "fp8_ds_mla"): ((16, 64, 8, 2, 1, False), 1),
-    ("sm8x", "bf16"): ((16, 32, 4, 2, 1, False), 1),  # (16, 32, 8, 2) spills 4 B on sm_120 (ptxas 12.9)
-    ("sm8x", "fp8_ds_mla"): ((16, 32, 8, 2, 1, False), 1),
-}
-_TILE_TABLE: dict[tuple[str, str, int], tuple[tuple, int]] = {
-    ("sm90", "bf16", 16): ((16, 64, 4, 2, 1, False), 2),
-    ("sm90", "bf16", 32): ((32, 64, 8, 2, 1, False), 1),
-    # Triton 3.5 (vLLM 0.16.0's torch) spills 120 B at 64 heads x n64p3 on sm_90: keep run 1's tile there.
-    ("sm90", "bf16", 64): (((64, 64, 8, 3, 1, False), 1) if _TRITON_VERSION >= (3, 6)
-                           else ((64, 32, 8, 2, 1, False), 1)),
-    ("sm90", "fp8_ds_mla", 16): ((16, 32, 4, 2, 1, False), 2),
-    ("sm90", "fp8_ds_mla", 32): ((32, 32, 8, 2, 1, False), 1),
-    # Triton 3.5 spills 130+ B with 64 heads x fp8 dequantisation on sm_90; 3.6 does not.
-    ("sm90", "fp8_ds_mla", 64): (((64, 64, 8, 3, 1, False), 1) if _TRITON_VERSION >= (3, 6)
-                                 else ((32, 32, 8, 2, 1, False), 1)),
-    ("sm80", "bf16", 16): ((16, 64, 4, 2, 1, False), 1),
-    ("sm80", "bf16", 32): ((32, 64, 8, 2, 1, False), 1),
-    ("sm80", "bf16", 64): ((64, 16, 8, 2, 1, False), 1),
-    ("sm80", "fp8_ds_mla", 16): ((16, 64, 8, 2, 1, False), 1),
-    ("sm80", "fp8_ds_mla", 32): ((32, 32, 8, 2, 1, False), 1),
-    ("sm80", "fp8_ds_mla", 64): ((32, 32, 8, 2, 1, False), 1),
-    ("sm8x", "bf16", 16): ((16, 32, 4, 2, 1, False), 1),
-    ("sm8x", "bf16", 32): ((32, 32, 8, 2, 1, False), 1),
-    ("sm8x", "bf16", 64): ((64, 16, 8, 2, 1, False), 1),
-    ("sm8x", "fp8_ds_mla", 16): ((16, 32, 8, 2, 1, False), 1),
-    ("sm8x", "fp8_ds_mla", 32): ((32, 32, 8, 2, 1, False), 1),
-    ("sm8x", "fp8_ds_mla", 64): ((32, 32, 8, 2, 1, False), 1),
-}
+@dataclass(frozen=True)
+class SparseMLATuning:
+    """One tuning-table entry: a tile (a config whose num_splits :func:`choose_config` fills in) and the
+    number of its programs per SM the split rule aims for (2 where two fit on an SM and that measured
+    faster, else 1)."""
 
+    config: SparseMLAConfig
+    programs_per_sm: int = 1
+
+
+class CombineBucket(NamedTuple):
+    """A launch bucket of the split merge: the first bucket whose max_splits holds the split count is used
+    (max_splits None: any count; the kernel then loops over chunks of chunk_s splits). A tuple, so tests
+    and the cross-compile test can unpack it."""
+
+    max_splits: int | None
+    chunk_s: int  # CHUNK_S: splits loaded per chunk
+    block_d: int  # BLOCK_D: output columns per program (512: one program per row; 128: four)
+
+
+# Up to 16 splits: one program per (token, head) row over all 512 columns, the split reduction inside each
+# thread, one memory round trip. Above (the latency regime, T * H small; 32 splits at T = 1): 32 splits x
+# 128 columns, four programs per row. The heuristic never emits more than 32 splits at the top-k of 2048.
+# bucket layouts measured: bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
+_COMBINE_BUCKETS: tuple[CombineBucket, ...] = (
+    CombineBucket(max_splits=2, chunk_s=2, block_d=512),
+    CombineBucket(max_splits=4, chunk_s=4, block_d=512),
+    CombineBucket(max_splits=8, chunk_s=8, block_d=512),
+    CombineBucket(max_splits=16, chunk_s=16, block_d=512),
+    CombineBucket(max_splits=None, chunk_s=32, block_d=128),
+)
+
+
+def _combine_bucket(num_splits: int) -> tuple[int, int]:
+    """(CHUNK_S, BLOCK_D) of the split merge for a split count (see _COMBINE_BUCKETS)."""
+    b = next(b for b in _COMBINE_BUCKETS if b.max_splits is None or num_splits <= b.max_splits)
+    return b.chunk_s, b.block_d
+
+
+# Tuning tables of SparseMLATuning entries, keyed by GPU family (see _family) and format, plus the head
+# bucket (16 / 32 / 64 heads) for the throughput table. Two regimes (choose_config):
+#   latency    - few (token, 16-head) rows (<= sm_count / 8): 16-head tiles, the top-k split into many
+#                short splits, one program per SM (_LATENCY_TUNING);
+#   throughput - otherwise: the head bucket's tile (_THROUGHPUT_TUNING), split only until the programs
+#                fill programs_per_sm x sm_count.
+# Every tile is cross-compiled for its targets by tests/kernels/test_sparse_mla_xcompile.py (shared-memory
+# limit, zero ptxas spills). BLOCK_H=64 with fp8 dequantisation spills on every mma.sync target
+# (sm_80/86/89/120), so those use two 32-head groups; BLOCK_H=64 x BLOCK_N=32 bf16 spills on sm_8x.
+# sm90 entries are the H200 sweep's fastest; tile choice measured:
+# bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
+def _tuning(*, block_h: int, block_n: int, num_warps: int, num_stages: int,
+            programs_per_sm: int = 1) -> SparseMLATuning:
+    return SparseMLATuning(SparseMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
+                                           num_stages=num_stages), programs_per_sm)
+
+
+_LATENCY_TUNING: dict[tuple[str, str], SparseMLATuning] = {
+    ("sm90", "bf16"): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    ("sm90", "fp8_ds_mla"): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    # 8 warps spill 4 B with Triton 3.5 here
+    ("sm80", "bf16"): _tuning(block_h=16, block_n=64, num_warps=4, num_stages=2),
+    ("sm80", "fp8_ds_mla"): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    # 8 warps spill 4 B on sm_120 (ptxas 12.9)
+    ("sm8x", "bf16"): _tuning(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    ("sm8x", "fp8_ds_mla"): _tuning(block_h=16, block_n=32, num_warps=8, num_stages=2),
+}
+# Triton 3.5 (vLLM 0.16.0's torch) spills 120-130+ B at 64 heads x n64p3 on sm_90 (bf16 and fp8
+# dequantisation); Triton 3.6 does not. The 3.5 fallbacks are the next-best spill-free tiles.
+_TRITON_36 = _TRITON_VERSION >= (3, 6)
+_THROUGHPUT_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
+    ("sm90", "bf16", 16): _tuning(block_h=16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2),
+    ("sm90", "bf16", 32): _tuning(block_h=32, block_n=64, num_warps=8, num_stages=2),
+    ("sm90", "bf16", 64): (_tuning(block_h=64, block_n=64, num_warps=8, num_stages=3) if _TRITON_36
+                           else _tuning(block_h=64, block_n=32, num_warps=8, num_stages=2)),
+    ("sm90", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2),
+    ("sm90", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    ("sm90", "fp8_ds_mla", 64): (_tuning(block_h=64, block_n=64, num_warps=8, num_stages=3) if _TRITON_36
+                                 else _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2)),
+    ("sm80", "bf16", 16): _tuning(block_h=16, block_n=64, num_warps=4, num_stages=2),
+    ("sm80", "bf16", 32): _tuning(block_h=32, block_n=64, num_warps=8, num_stages=2),
+    ("sm80", "bf16", 64): _tuning(block_h=64, block_n=16, num_warps=8, num_stages=2),
+    ("sm80", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    ("sm80", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    ("sm80", "fp8_ds_mla", 64): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    ("sm8x", "bf16", 16): _tuning(block_h=16, block_n=32, num_warps=4, num_stages=2),
+    ("sm8x", "bf16", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    ("sm8x", "bf16", 64): _tuning(block_h=64, block_n=16, num_warps=8, num_stages=2),
+    ("sm8x", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=32, num_warps=8, num_stages=2),
+    ("sm8x", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    ("sm8x", "fp8_ds_mla", 64): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
+}
 
 # Variants the benchmark's --focus mode times on sm_90 beside the table tiles (bench/bench_sparse_mla.py);
 # cross-compiled for sm_90 by tests/kernels/test_sparse_mla_xcompile.py so that a faster one can enter
-# _TILE_TABLE knowing it fits and does not spill. Same tuple form as the table. Cross-compiled here
-# (Triton 3.6, sm_90, read from the TTGIR): q sits in shared memory (73.7 KB at 64 heads), the gathered
-# bf16 K tiles get 2 buffers at n64p3 (2 x 73.7 KB) and 3 at n32p5 (3 x 36.9 KB; n32p6 is identical),
-# and P feeds the P.V wgmma from registers. n32p5 asks for finer-grained, deeper gathers.
-# Under Triton 3.5 (vLLM 0.16.0) the 64-head variants here spill 16-156 B on sm_90 (the table tiles do
-# not): a variant promoted to _TILE_TABLE needs a Triton-3.5 fallback like the bucket-64 entries.
-FOCUS_TILES: dict[str, list[tuple]] = {
-    "bf16": [(64, 64, 8, 3, 2, False), (64, 32, 8, 5, 1, False), (64, 32, 8, 4, 2, False),
-             (16, 32, 4, 3, 1, False)],
-    # fp8_post_scale with 64 heads (n64p3, d1 and d2) and with h16n32w4 spills on sm_90 (Triton 3.6).
-    "fp8_ds_mla": [(16, 64, 8, 2, 1, True), (64, 64, 8, 3, 2, False), (64, 32, 8, 5, 1, False),
-                   (16, 32, 4, 3, 1, False)],
+# _THROUGHPUT_TUNING knowing it fits and does not spill there (with Triton 3.6; under Triton 3.5 the
+# 64-head ones spill, so a promoted one needs a 3.5 fallback like the bucket-64 entries).
+# fp8_post_scale with 64 heads (n64p3, d1 and d2) and with h16n32w4 spills on sm_90 (Triton 3.6).
+FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
+    "bf16": (SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
+             SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
+             SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, dv_split=2),
+             SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3)),
+    "fp8_ds_mla": (SparseMLAConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_post_scale=True),
+                   SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
+                   SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
+                   SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3)),
 }
+# The same in tuple form (the benchmark and the kernel tests concatenate it with candidate_tiles()).
+FOCUS_TILES: dict[str, list[tuple]] = {fmt: [c.tile for c in cs] for fmt, cs in FOCUS_CONFIGS.items()}
 
 
-def _capability_class(capability: tuple[int, int]) -> str:
+def _family(capability: tuple[int, int]) -> str:
+    """Tuning-table family of a (major, minor) capability, by shared memory per block: "sm90" (Hopper,
+    227 KB), "sm80" (A100, 163 KB), "sm8x" (sm_86 / sm_87 / sm_89 / sm_12x and anything unknown: the small
+    99 KB budget of the consumer and workstation parts, DGX Spark)."""
     major, minor = capability
     if major == 9:
         return "sm90"
     if major == 8 and minor == 0:
         return "sm80"
-    return "sm8x"  # sm_86, sm_87, sm_89, sm_12x and anything unknown: assume the small 99 KB budget
+    return "sm8x"
 
 
 def _head_bucket(num_heads: int) -> int:
@@ -452,55 +516,68 @@ def _head_bucket(num_heads: int) -> int:
 def candidate_tiles(capability: tuple[int, int], kv_format: str) -> list[tuple]:
     """Every tile (block_h, block_n, num_warps, num_stages, dv_split, fp8_post_scale) that
     :func:`choose_config` can return for a target (SparseMLAConfig.from_tile turns one into a config)."""
-    cls_ = _capability_class(capability)
-    tiles = {v[0] for (c, f, _), v in _TILE_TABLE.items() if c == cls_ and f == kv_format}
-    tiles.add(_LATENCY_TILE[(cls_, kv_format)][0])
+    fam = _family(capability)
+    tiles = {e.config.tile for (f, fmt, _), e in _THROUGHPUT_TUNING.items() if f == fam and fmt == kv_format}
+    tiles.add(_LATENCY_TUNING[(fam, kv_format)].config.tile)
     return sorted(tiles)
 
 
+@functools.cache
 def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "bf16", *,
                   sm_count: int = 132, capability: tuple[int, int] = (9, 0)) -> SparseMLAConfig:
-    """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes).
+    """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes;
+    cached, the result is frozen).
 
     Latency regime (T x ceil(H / 16) <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16): the
     16-head latency tile. Otherwise the head bucket's throughput tile. Then the top-k list is split so
     that T x head groups x splits fills the tile's programs-per-SM x sm_count (waves over the SMs), at
     most one split per BLOCK_N tile and never an empty split; splits are merged by lse in a second kernel.
     """
-    cls_ = _capability_class(capability)
+    fam = _family(capability)
     T = max(1, num_tokens)
     if T * triton.cdiv(num_heads, 16) <= max(1, sm_count // 8):
-        tile, per_sm = _LATENCY_TILE[(cls_, kv_format)]
+        entry = _LATENCY_TUNING[(fam, kv_format)]
     else:
-        tile, per_sm = _TILE_TABLE[(cls_, kv_format, _head_bucket(num_heads))]
-    return SparseMLAConfig.from_tile(tile, split_count(num_tokens, num_heads, topk, tile, per_sm, sm_count))
+        entry = _THROUGHPUT_TUNING[(fam, kv_format, _head_bucket(num_heads))]
+    splits = split_count(num_tokens, num_heads, topk, entry.config, entry.programs_per_sm, sm_count)
+    return replace(entry.config, num_splits=splits)
 
 
-def split_count(num_tokens: int, num_heads: int, topk: int, tile: tuple, programs_per_sm: int = 1,
-                sm_count: int = 132) -> int:
+def split_count(num_tokens: int, num_heads: int, topk: int, tile: "tuple | SparseMLAConfig",
+                programs_per_sm: int = 1, sm_count: int = 132) -> int:
     """Splits of the top-k list so that T x head groups x dv_split x splits programs fill
-    programs_per_sm x sm_count (at most one split per BLOCK_N tile, no empty split)."""
-    bh, bn, dv = tile[0], tile[1], tile[4]
-    rows = max(1, num_tokens) * triton.cdiv(num_heads, bh) * dv
-    n_tiles = triton.cdiv(max(topk, 1), bn)
+    programs_per_sm x sm_count (at most one split per BLOCK_N tile, no empty split). ``tile``: a config
+    or its tuple form."""
+    if not isinstance(tile, SparseMLAConfig):
+        tile = SparseMLAConfig.from_tile(tile)
+    rows = max(1, num_tokens) * triton.cdiv(num_heads, tile.block_h) * tile.dv_split
+    n_tiles = triton.cdiv(max(topk, 1), tile.block_n)
     splits = max(1, min(n_tiles, (programs_per_sm * sm_count) // rows))
     # Re-derive from the split length so that no split is empty.
-    split_len = triton.cdiv(triton.cdiv(max(topk, 1), splits), bn) * bn
+    split_len = triton.cdiv(triton.cdiv(max(topk, 1), splits), tile.block_n) * tile.block_n
     return triton.cdiv(max(topk, 1), split_len)
+
+
+@functools.cache
+def _cuda_info(device_index: int) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
+    """(capability, number of SMs) that choose_config plans for on ``device``; the interpreter plans for
+    an H200 (sm_90, 132 SMs)."""
+    if INTERPRETED:
+        return (9, 0), 132
+    if device.type != "cuda":
+        raise ValueError(f"sparse_mla_attention: tensors are on {device}; the Triton kernel needs CUDA tensors "
+                         "(or TRITON_INTERPRET=1 set before this module is imported, for CPU tests)")
+    return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ----------------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    """True when this module's kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
-
-    The interpreter's tl.dot on bf16 operands is wrong (Triton 3.6 + numpy 2.x), so the kernel then
-    upcasts its dot operands to float32 (DOT_F32); on a GPU the dots stay bf16."""
-    return (type(_sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
-            or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-
-
 def _slot_view(kv_cache: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, int, int, int, int]:
     """Return (cache as one flat row per slot, stride_block, stride_token, block_size, num_slots)."""
     width = HEAD_DIM if kv_format == "bf16" else FP8_DS_MLA_BYTES
@@ -615,12 +692,7 @@ def sparse_mla_attention(
     if T == 0:
         return out, lse
 
-    interp = _interpreting()
-    if interp or q.device.type != "cuda":
-        capability, sm_count = (9, 0), 132
-    else:
-        capability = torch.cuda.get_device_capability(q.device)
-        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+    capability, sm_count = _device_info(q.device)
     if config is None:
         config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
     bh, bn = config.block_h, config.block_n
@@ -650,7 +722,7 @@ def sparse_mla_attention(
         indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         float(softmax_scale) * _LOG2E,
-        IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=split, DOT_F32=interp,
+        IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=split, DOT_F32=INTERPRETED,
         BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split, FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -662,11 +734,6 @@ def sparse_mla_attention(
             CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1,
         )
     return out, lse
-
-
-def _combine_bucket(num_splits: int) -> tuple[int, int]:
-    """(CHUNK_S, BLOCK_D) of the split merge for a split count (see _COMBINE_BUCKETS)."""
-    return next((c, bd) for max_s, c, bd in _COMBINE_BUCKETS if max_s is None or num_splits <= max_s)
 
 
 def dequantize_fp8_ds_mla(kv_rows: torch.Tensor) -> torch.Tensor:

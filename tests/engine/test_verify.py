@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_installer import cudastub, engine, manifest, verify
+from dsa_installer import _verify_child, cudastub, engine, manifest, verify
 from tests import vllm_envs
 
 from .conftest import REPO, cli
@@ -165,3 +165,32 @@ def test_interpreter_is_the_venv_owning_the_site_packages(tmp_path):
                                        ("vllm/a/data.json", None)])
 def test_module_names(rel, name):
     assert verify.module_name(rel) == name
+
+
+def test_selftest_lines_reach_the_report_and_only_none_zero_true_pass(capsys):
+    """The child captures what the GPU self-test's main() prints (one line per check) into the report that
+    render() shows; 1 and False fail although they compare equal to True and 0."""
+    lines = ["kernel self-test: seed 7, H200", "PASS  sparse_mla bf16  max abs err 1e-03 (tol 2e-02)  0.10 s",
+             "FAIL  indexer decode  max abs err nan (tol 1e-01)  0.20 s"]
+
+    def selftest(value=None, exc=None):
+        def main():
+            print("\n".join(lines))
+            if exc is not None:
+                raise exc
+            return value
+        return main
+
+    for value in (None, 0, True):
+        assert _verify_child.run_selftest(selftest(value)) == {"ok": True, "report": "\n".join(lines)}
+    for value in (1, 3, False, "failed"):
+        r = _verify_child.run_selftest(selftest(value))
+        assert r == {"ok": False, "report": "\n".join(lines + [f"main() returned {value!r}"])}
+    r = _verify_child.run_selftest(selftest(exc=RuntimeError("CUDA error: an illegal memory access")))
+    assert r == {"ok": False, "report": "\n".join(lines + ["RuntimeError: CUDA error: an illegal memory access"])}
+    assert capsys.readouterr().out == ""  # nothing leaked past the capture
+    verify.render({"site": "/s", "checked": "overlay applied", "interpreter": "python", "libcuda": "system",
+                   "ok": False, "modules": [], "hooks": None, "selftest": r})
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[shown.index("kernel self-test: FAIL") + 1:][:len(lines)] == lines
+    assert shown[-1] == "verify: FAILED"

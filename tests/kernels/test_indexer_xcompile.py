@@ -9,6 +9,7 @@ because the interpreter tests of the same pytest run decorate the kernels for th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -103,7 +104,7 @@ def _worker() -> list[dict]:
     out = []
     for cc in TARGETS:
         for name, cfg in ix.launch_configs((cc // 10, cc % 10)):
-            out.append(_compile_one(ix, name, cfg, cc))
+            out.append(_compile_one(ix, name, dataclasses.asdict(cfg), cc))
     return out
 
 
