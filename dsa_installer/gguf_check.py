@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import click
 
-from overlay import gguf_glm_dsa as g
+from overlay.gguf import reader, tensors, weights
+from overlay.gguf.config import config_dict
+from overlay.gguf.tokenizer import PRE_TOKENIZER_SPLITS
 
 # hyper-parameters compared against --hf-config-path
 _COMPARED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
@@ -33,76 +35,10 @@ class Report:
         return not self.problems
 
 
-def expected_shapes(cfg: dict, layer_kv_b_split: dict[int, bool], has_output: bool,
-                    gate_up_fused: dict[int, bool]) -> tuple[dict[str, tuple], set[str]]:
-    """GGUF tensor name -> HF-order shape for a glm-dsa model; and the names that may be absent."""
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
-    nh, rope, nope, vd = cfg["num_attention_heads"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-    ql, kl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    E, Ie, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
-    Is = Ie * cfg["n_shared_experts"]
-    ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
-    n_layers, n_mtp = cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]
-    exp: dict[str, tuple] = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
-    optional: set[str] = set()
-    if has_output:
-        exp["output.weight"] = (V, H)
-    for i in range(n_layers + n_mtp):
-        b = f"blk.{i}."
-        exp[b + "attn_norm.weight"] = (H,)
-        exp[b + "ffn_norm.weight"] = (H,)
-        if ql:
-            exp[b + "attn_q_a.weight"] = (ql, H)
-            exp[b + "attn_q_a_norm.weight"] = (ql,)
-            exp[b + "attn_q_b.weight"] = (nh * (nope + rope), ql)
-        else:
-            exp[b + "attn_q.weight"] = (nh * (nope + rope), H)
-        exp[b + "attn_kv_a_mqa.weight"] = (kl + rope, H)
-        exp[b + "attn_kv_a_norm.weight"] = (kl,)
-        if layer_kv_b_split.get(i, True):
-            exp[b + "attn_k_b.weight"] = (nh, kl, nope)
-            exp[b + "attn_v_b.weight"] = (nh, vd, kl)
-        else:
-            exp[b + "attn_kv_b.weight"] = (nh * (nope + vd), kl)
-        exp[b + "attn_output.weight"] = (H, nh * vd)
-        if ih:
-            exp[b + "indexer.attn_q_b.weight"] = (ih * idim, ql or H)
-            exp[b + "indexer.attn_k.weight"] = (idim, H)
-            exp[b + "indexer.k_norm.weight"] = (idim,)
-            exp[b + "indexer.k_norm.bias"] = (idim,)
-            exp[b + "indexer.proj.weight"] = (ih, H)
-        if i < cfg["first_k_dense_replace"]:
-            exp[b + "ffn_gate.weight"] = (I, H)
-            exp[b + "ffn_up.weight"] = (I, H)
-            exp[b + "ffn_down.weight"] = (H, I)
-        else:
-            exp[b + "ffn_gate_inp.weight"] = (E, H)
-            exp[b + "exp_probs_b.bias"] = (E,)
-            if gate_up_fused.get(i):
-                exp[b + "ffn_gate_up_exps.weight"] = (E, 2 * Ie, H)
-            else:
-                exp[b + "ffn_gate_exps.weight"] = (E, Ie, H)
-                exp[b + "ffn_up_exps.weight"] = (E, Ie, H)
-            exp[b + "ffn_down_exps.weight"] = (E, H, Ie)
-            if Is:
-                exp[b + "ffn_gate_shexp.weight"] = (Is, H)
-                exp[b + "ffn_up_shexp.weight"] = (Is, H)
-                exp[b + "ffn_down_shexp.weight"] = (H, Is)
-        if i >= n_layers:
-            exp[b + "nextn.eh_proj.weight"] = (H, 2 * H)
-            exp[b + "nextn.enorm.weight"] = (H,)
-            exp[b + "nextn.hnorm.weight"] = (H,)
-            exp[b + "nextn.shared_head_norm.weight"] = (H,)
-            for opt, shp in (("nextn.shared_head_head.weight", (V, H)), ("nextn.embed_tokens.weight", (V, H))):
-                exp[b + opt] = shp
-                optional.add(b + opt)
-    return exp, optional
-
-
 def _dequantizable(type_name: str) -> bool:
     try:
         import gguf
-        return gguf.GGMLQuantizationType[type_name] in gguf.quants._type_traits or type_name in g.DENSE_TYPES
+        return gguf.GGMLQuantizationType[type_name] in gguf.quants._type_traits or type_name in reader.DENSE_TYPES
     except Exception:
         return False
 
@@ -117,15 +53,15 @@ def _fmt_bytes(n: int) -> str:
 
 def check(path: str, hf_config_path: str | None = None, release: str | None = None) -> Report:
     rep = Report()
-    paths = g.shard_paths(path)
-    headers: list[g.GGUFHeader] = []
+    paths = reader.shard_paths(path)
+    headers: list[reader.GGUFHeader] = []
     for p in paths:
         if not os.path.isfile(p):
             rep.problems.append(f"{p}: shard missing ({len(paths)} expected); download every -of- part")
             continue
         try:
-            headers.append(g.read_header(p))
-        except g.GGUFError as exc:
+            headers.append(reader.read_header(p))
+        except reader.GGUFError as exc:
             rep.problems.append(str(exc))
     if not headers:
         return rep
@@ -134,8 +70,8 @@ def check(path: str, hf_config_path: str | None = None, release: str | None = No
         rep.problems.append(f"{paths[0]}: first shard unreadable; its metadata describes the model")
         return rep
     arch = first.arch
-    if arch != g.ARCH:
-        rep.problems.append(f"{first.path}: architecture {arch!r}, expected {g.ARCH!r} (a GLM-5 GGUF "
+    if arch != tensors.ARCH:
+        rep.problems.append(f"{first.path}: architecture {arch!r}, expected {tensors.ARCH!r} (a GLM-5 GGUF "
                             "converted by llama.cpp's convert_hf_to_gguf.py)")
         return rep
 
@@ -165,17 +101,17 @@ def check(path: str, hf_config_path: str | None = None, release: str | None = No
             rep.problems.append(f"{h.path}: truncated: {what} but the file has {h.file_size} bytes "
                                 f"({end - h.file_size} missing); re-download it")
 
-    tensors = g.merged_tensors(headers)
-    for name, t in tensors.items():
-        if t.ggml_type not in g.GGML_TYPES:
+    found = reader.merged_tensors(headers)
+    for name, t in found.items():
+        if t.ggml_type not in reader.GGML_TYPES:
             rep.problems.append(f"{t.path}: tensor {name} has unknown ggml type id {t.ggml_type}")
     try:
-        cfg = g.config_dict(first.metadata, tensors)
-    except g.GGUFError as exc:
+        cfg = config_dict(first.metadata, found)
+    except reader.GGUFError as exc:
         rep.problems.append(f"{first.path}: {exc}")
         return rep
     if not cfg.get("vocab_size"):
-        emb = tensors.get("token_embd.weight")
+        emb = found.get("token_embd.weight")
         cfg["vocab_size"] = emb.shape[0] if emb else 0
 
     if hf_config_path:
@@ -186,45 +122,43 @@ def check(path: str, hf_config_path: str | None = None, release: str | None = No
         except (OSError, ValueError) as exc:
             rep.problems.append(f"{cj}: unreadable ({exc})")
             hf = {}
-        if hf and hf.get("model_type") not in (g.MODEL_TYPE, None):
-            rep.problems.append(f"{cj}: model_type {hf.get('model_type')!r}, expected {g.MODEL_TYPE!r}")
+        if hf and hf.get("model_type") not in (tensors.MODEL_TYPE, None):
+            rep.problems.append(f"{cj}: model_type {hf.get('model_type')!r}, expected {tensors.MODEL_TYPE!r}")
         for key in _COMPARED:
             if key in hf and hf[key] != cfg.get(key) and not (key == "vocab_size" and hf[key] >= cfg[key]):
                 rep.problems.append(f"{cj}: {key} = {hf[key]} but the GGUF says {cfg.get(key)}")
 
     n_layers, n_mtp = cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]
-    kv_split = {i: f"blk.{i}.attn_kv_b.weight" not in tensors for i in range(n_layers + n_mtp)}
-    fused = {i: f"blk.{i}.ffn_gate_up_exps.weight" in tensors for i in range(n_layers + n_mtp)}
-    expected, optional = expected_shapes(cfg, kv_split, "output.weight" in tensors, fused)
-    for name, shape in expected.items():
-        t = tensors.get(name)
+    expected = tensors.expected_tensors(cfg, found)
+    for name, want in expected.items():
+        t = found.get(name)
         if t is None:
-            if name not in optional:
-                rep.problems.append(f"{first.path}: tensor {name} missing (expected shape {list(shape)})")
+            if not want.optional:
+                rep.problems.append(f"{first.path}: tensor {name} missing (expected shape {list(want.shape)})")
             continue
-        if tuple(t.shape) != tuple(shape):
-            rep.problems.append(f"{t.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
+        if tuple(t.shape) != want.shape:
+            rep.problems.append(f"{t.path}: tensor {name} has shape {list(t.shape)}, expected {list(want.shape)}")
         tn = t.type_name
-        if tn not in g.VLLM_GGUF_TYPES and t.ggml_type in g.GGML_TYPES:
+        if tn not in reader.VLLM_GGUF_TYPES and t.ggml_type in reader.GGML_TYPES:
             if _dequantizable(tn):
                 rep.notes.append(f"{name}: ggml type {tn} is dequantized at load (vLLM has no kernel for it)")
             else:
                 rep.problems.append(f"{t.path}: tensor {name} has ggml type {tn}, which neither vLLM's GGUF "
                                     "kernels nor gguf-py's dequantizer support; re-quantize it")
-    for name in sorted(set(tensors) - set(expected)):
+    for name in sorted(set(found) - set(expected)):
         rep.notes.append(f"{name}: not a glm-dsa tensor this overlay loads (ignored)")
-    p = g.plan(tensors, release)
+    p = weights.plan(found, release)
     rep.problems.extend(f"{first.path}: {msg}" for msg in p.problems)
 
     # summary
     by_type: dict[str, int] = {}
-    for t in tensors.values():
+    for t in found.values():
         by_type[t.type_name] = by_type.get(t.type_name, 0) + max(t.nbytes, 0)
     meta = first.metadata
-    dense = [e for e in p.entries if e.dense and not all(s.type_name in g.DENSE_TYPES for s in e.sources)]
+    dense = [e for e in p.entries if e.dense and not all(s.type_name in reader.DENSE_TYPES for s in e.sources)]
     rep.summary += [
         f"file: {paths[0]}" + (f" (+{len(paths) - 1} shards)" if len(paths) > 1 else ""),
-        f"architecture: {arch} ({meta.get('general.name', '?')}), {len(tensors)} tensors, "
+        f"architecture: {arch} ({meta.get('general.name', '?')}), {len(found)} tensors, "
         f"{_fmt_bytes(sum(h.file_size for h in headers))} on disk",
         f"layers: {n_layers} ({cfg['first_k_dense_replace']} dense, {n_layers - cfg['first_k_dense_replace']} MoE),"
         f" hidden {cfg['hidden_size']}, heads {cfg['num_attention_heads']}, context {cfg['max_position_embeddings']}",
@@ -237,7 +171,7 @@ def check(path: str, hf_config_path: str | None = None, release: str | None = No
         f"tokenizer: {meta.get('tokenizer.ggml.model', 'none')}/{meta.get('tokenizer.ggml.pre', '-')}, "
         f"{len(meta.get('tokenizer.ggml.tokens', ()))} tokens, " + (
             "rebuilt from the GGUF by the overlay" if meta.get("tokenizer.ggml.model") == "gpt2"
-            and meta.get("tokenizer.ggml.pre") in g.PRE_TOKENIZER_SPLITS
+            and meta.get("tokenizer.ggml.pre") in PRE_TOKENIZER_SPLITS
             else "not rebuildable: serve with --tokenizer <original model dir>"),
         "bytes per ggml type: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in
                                             sorted(by_type.items(), key=lambda kv: -kv[1])),
