@@ -1,6 +1,8 @@
 """The overlay's glm-dsa GGUF mapping on files made by llama.cpp's own converter and quantizer."""
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -147,6 +149,8 @@ def test_vllm_stream_quantized_and_dense_loads(tiny, release):
             torch.set_default_dtype(prev)
     ref = dict(weights.hf_tensors(path, release))
     tmap = m.dsa_weight_type_map(path)
+    file_types = _types_of(path)    # gguf-py's own reading of the file
+    experts_seen = 0
     for name, w in out.items():
         if ".experts.0." in name:
             n_exp = w.shape[0]
@@ -154,8 +158,17 @@ def test_vllm_stream_quantized_and_dense_loads(tiny, release):
                 assert torch.equal(w[i], ref[name.replace(".experts.0.", f".experts.{i}.")].to(w.dtype)), name
         else:
             assert torch.equal(w, ref[name]), name
-        dense = name[: -len("weight")] not in types
-        assert (tmap[name] in ("BF16", "F32", "F16")) == dense or ".experts." in name, name
+        base = name[: -len("weight")]
+        if base in types:   # qweight + qweight_type: the type map names the streamed type
+            assert tmap[name] == gguf.GGMLQuantizationType(types[base]).name, name
+        else:
+            assert tmap[name] in ("BF16", "F32", "F16"), name
+        if (e := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.0\.(gate|up|down)_proj\.weight$", name)):
+            # quantized experts stream the file's own type (vLLM's GGUF MoE kernel dequantizes it)
+            assert tmap[name] == file_types[f"blk.{e.group(1)}.ffn_{e.group(2)}_exps.weight"], name
+            assert tmap[name] not in ("BF16", "F32", "F16"), name
+            experts_seen += 1
+    assert experts_seen == sum(n.endswith("_exps.weight") for n in file_types) > 0
     # the layers vLLM builds without a quant method arrive dense, whatever the file holds
     for i in range(3):
         assert tmap[f"model.layers.{i}.self_attn.kv_b_proj.weight"] == "BF16"
