@@ -6,66 +6,124 @@
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Iterable
 
-from .reader import GGUFError, merged_tensors, read_model
+from .reader import GGUFError, merged_tensors, read_model, show
 from .tensors import ARCH, HF_ARCH, MODEL_TYPE, is_glm_dsa
 
 
-def _m(meta: dict, key: str, default: Any = None) -> Any:
-    return meta.get(f"{ARCH}.{key}", default)
+# Bounds every glm-dsa key must keep, checked before anything is sized by it: far above any released
+# model (GLM-5: 79 blocks, widths up to 154,880), so only a corrupt header fails them.
+MAX_BLOCKS = 4096
+_WIDTH = 1 << 24
+_A = ARCH + "."
+
+
+def _bad(key: str, v: Any, expected: str) -> GGUFError:
+    return GGUFError(f"{key} is {show(v)}, expected {expected}: corrupt metadata; re-download or re-convert the file")
+
+
+def meta_int(meta: dict, key: str, default: Any = None, lo: int = 0, hi: int = _WIDTH) -> Any:
+    v = meta.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(key, v, "an integer")
+    if not lo <= v <= hi:
+        raise _bad(key, v, f"{lo} to {hi}")
+    return v
+
+
+def _float(meta: dict, key: str, default: float, positive: bool = False) -> float:
+    v = meta.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise _bad(key, v, "a finite positive number" if positive else "a finite number")
+    return float(v)
+
+
+def _bool(meta: dict, key: str, default: bool) -> bool:
+    v = meta.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int) or v not in (0, 1):     # True, False, or a 0/1 integer
+        raise _bad(key, v, "a boolean")
+    return bool(v)
+
+
+def _str(meta: dict, key: str) -> str | None:
+    v = meta.get(key)
+    if v is not None and not isinstance(v, str):
+        raise _bad(key, v, "a string")
+    return v
+
+
+def meta_list(meta: dict, key: str, kind: type) -> list | None:
+    """A metadata array whose elements are all ``kind`` (str, or int: booleans count), or None."""
+    v = meta.get(key)
+    if v is not None and (not isinstance(v, list) or not all(isinstance(x, kind) for x in v)):
+        raise _bad(key, v, f"an array of {'strings' if kind is str else 'integers'}")
+    return v
 
 
 def config_dict(meta: dict[str, Any], tensor_names: Iterable[str] = ()) -> dict[str, Any]:
-    """HF ``GlmMoeDsaConfig`` fields from ``glm-dsa.*`` metadata (and which tensors exist)."""
+    """HF ``GlmMoeDsaConfig`` fields from ``glm-dsa.*`` metadata (and which tensors exist).
+
+    Every key's type and range is checked first: a corrupt value is a one-line GGUFError."""
     names = set(tensor_names)
     if meta.get("general.architecture") not in (ARCH, None):
-        raise GGUFError(f"architecture {meta.get('general.architecture')!r} is not {ARCH!r}")
+        raise GGUFError(f"architecture {show(meta.get('general.architecture'))} is not {ARCH!r}")
     required = ("block_count", "embedding_length", "attention.head_count", "attention.kv_lora_rank",
                 "rope.dimension_count", "attention.key_length_mla", "attention.value_length_mla")
-    missing = [f"{ARCH}.{k}" for k in required if _m(meta, k) is None]
+    missing = [_A + k for k in required if meta.get(_A + k) is None]
     if missing:
         raise GGUFError(f"metadata lacks {', '.join(missing)}; re-convert with a llama.cpp that writes "
                         "glm-dsa MLA keys, or pass --hf-config-path")
-    n_mtp = int(_m(meta, "nextn_predict_layers", 0) or 0)
-    n_layers = int(_m(meta, "block_count")) - n_mtp
-    rope = int(_m(meta, "rope.dimension_count"))
-    heads = int(_m(meta, "attention.head_count"))
-    vocab = _m(meta, "vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())) or None
+    blocks = meta_int(meta, _A + "block_count", lo=1, hi=MAX_BLOCKS)
+    n_mtp = meta_int(meta, _A + "nextn_predict_layers", 0, hi=blocks - 1)
+    n_layers = blocks - n_mtp
+    rope = meta_int(meta, _A + "rope.dimension_count")
+    heads = meta_int(meta, _A + "attention.head_count", lo=1)
+    experts = meta_int(meta, _A + "expert_count", 0)
+    tokens = meta_list(meta, "tokenizer.ggml.tokens", str)
+    vocab = meta_int(meta, _A + "vocab_size") or len(tokens or ()) or None
+    q_lora = meta_int(meta, _A + "attention.q_lora_rank")
     cfg: dict[str, Any] = {
         "architectures": [HF_ARCH],
         "model_type": MODEL_TYPE,
-        "vocab_size": int(vocab) if vocab else None,
-        "hidden_size": int(_m(meta, "embedding_length")),
-        "intermediate_size": int(_m(meta, "feed_forward_length", 0)),
-        "moe_intermediate_size": int(_m(meta, "expert_feed_forward_length", 0)),
+        "vocab_size": vocab,
+        "hidden_size": meta_int(meta, _A + "embedding_length", lo=1),
+        "intermediate_size": meta_int(meta, _A + "feed_forward_length", 0),
+        "moe_intermediate_size": meta_int(meta, _A + "expert_feed_forward_length", 0),
         "num_hidden_layers": n_layers,
         "num_nextn_predict_layers": n_mtp,
         "num_attention_heads": heads,
         "num_key_value_heads": heads,    # MLA: llama.cpp stores 1 (MQA view); HF counts heads
-        "n_routed_experts": int(_m(meta, "expert_count", 0)),
-        "num_experts_per_tok": int(_m(meta, "expert_used_count", 0)),
-        "n_shared_experts": int(_m(meta, "expert_shared_count", 0)),
-        "routed_scaling_factor": float(_m(meta, "expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(_m(meta, "expert_weights_norm", False)),
-        "n_group": int(_m(meta, "expert_group_count", 1) or 1),
-        "topk_group": int(_m(meta, "expert_group_used_count", 1) or 1),
-        "scoring_func": {1: "softmax", 2: "sigmoid"}.get(int(_m(meta, "expert_gating_func", 2)), "sigmoid"),
-        "first_k_dense_replace": int(_m(meta, "leading_dense_block_count", 0)),
-        "q_lora_rank": int(_m(meta, "attention.q_lora_rank")) if _m(meta, "attention.q_lora_rank") else None,
-        "kv_lora_rank": int(_m(meta, "attention.kv_lora_rank")),
+        "n_routed_experts": experts,
+        "num_experts_per_tok": meta_int(meta, _A + "expert_used_count", 0, hi=experts),
+        "n_shared_experts": meta_int(meta, _A + "expert_shared_count", 0),
+        "routed_scaling_factor": _float(meta, _A + "expert_weights_scale", 1.0),
+        "norm_topk_prob": _bool(meta, _A + "expert_weights_norm", False),
+        "n_group": meta_int(meta, _A + "expert_group_count", 1) or 1,
+        "topk_group": meta_int(meta, _A + "expert_group_used_count", 1) or 1,
+        "scoring_func": {1: "softmax", 2: "sigmoid"}.get(meta_int(meta, _A + "expert_gating_func", 2), "sigmoid"),
+        "first_k_dense_replace": meta_int(meta, _A + "leading_dense_block_count", 0, hi=n_layers),
+        "q_lora_rank": q_lora or None,
+        "kv_lora_rank": meta_int(meta, _A + "attention.kv_lora_rank", lo=1),
         "qk_rope_head_dim": rope,
-        "qk_nope_head_dim": int(_m(meta, "attention.key_length_mla")) - rope,
-        "v_head_dim": int(_m(meta, "attention.value_length_mla")),
-        "index_n_heads": int(_m(meta, "attention.indexer.head_count", 0)),
-        "index_head_dim": int(_m(meta, "attention.indexer.key_length", 0)),
-        "index_topk": int(_m(meta, "attention.indexer.top_k", 0)),
+        "qk_nope_head_dim": meta_int(meta, _A + "attention.key_length_mla", lo=rope) - rope,
+        "v_head_dim": meta_int(meta, _A + "attention.value_length_mla", lo=1),
+        "index_n_heads": meta_int(meta, _A + "attention.indexer.head_count", 0),
+        "index_head_dim": meta_int(meta, _A + "attention.indexer.key_length", 0),
+        "index_topk": meta_int(meta, _A + "attention.indexer.top_k", 0, hi=1 << 31),
         # GLM-5 rotates the indexer's rope dims interleaved (transformers' GlmMoeDsaIndexer)
         "indexer_rope_interleave": True,
-        "max_position_embeddings": int(_m(meta, "context_length", 4096)),
-        "rms_norm_eps": float(_m(meta, "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_m(meta, "rope.freq_base", 10000.0)),
+        "max_position_embeddings": meta_int(meta, _A + "context_length", 4096, lo=1, hi=1 << 31),
+        "rms_norm_eps": _float(meta, _A + "attention.layer_norm_rms_epsilon", 1e-5, positive=True),
+        "rope_theta": _float(meta, _A + "rope.freq_base", 10000.0, positive=True),
         "hidden_act": "silu",
         "attention_bias": False,
         "tie_word_embeddings": bool(names) and "output.weight" not in names,
@@ -75,27 +133,27 @@ def config_dict(meta: dict[str, Any], tensor_names: Iterable[str] = ()) -> dict[
         # FACTS (routing-bias trap): vLLM builds gate.e_score_correction_bias only for noaux_tc
         cfg["topk_method"] = "noaux_tc"
         cfg["scoring_func"] = "sigmoid"
-    types = _m(meta, "attention.indexer.types")
+    types = meta_list(meta, _A + "attention.indexer.types", int)
     if types is not None:
         cfg["indexer_types"] = ["full" if t else "shared" for t in types]
     rope_params: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
-    scaling = _m(meta, "rope.scaling.type")
+    scaling = _str(meta, _A + "rope.scaling.type")
     if scaling and scaling != "none":
         rope_params = {
             "rope_type": scaling, "rope_theta": cfg["rope_theta"],
-            "factor": float(_m(meta, "rope.scaling.factor", 1.0)),
-            "original_max_position_embeddings": int(_m(meta, "rope.scaling.original_context_length",
-                                                        cfg["max_position_embeddings"])),
+            "factor": _float(meta, _A + "rope.scaling.factor", 1.0, positive=True),
+            "original_max_position_embeddings": meta_int(meta, _A + "rope.scaling.original_context_length",
+                                                     cfg["max_position_embeddings"], lo=1, hi=1 << 31),
         }
-        if _m(meta, "rope.scaling.yarn_log_multiplier") is not None:
+        if meta.get(_A + "rope.scaling.yarn_log_multiplier") is not None:
             # llama.cpp writes 0.1 * mscale_all_dim for deepseek2-style yarn
-            rope_params["mscale_all_dim"] = float(_m(meta, "rope.scaling.yarn_log_multiplier")) / 0.1
+            rope_params["mscale_all_dim"] = _float(meta, _A + "rope.scaling.yarn_log_multiplier", 0.0) / 0.1
         cfg["rope_scaling"] = dict(rope_params)
     cfg["rope_parameters"] = rope_params
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
-        if (v := meta.get(f"tokenizer.ggml.{key}")) is not None:
-            cfg[hf_key] = int(v)
+        if (v := meta_int(meta, f"tokenizer.ggml.{key}", hi=1 << 31)) is not None:
+            cfg[hf_key] = v
     return cfg
 
 

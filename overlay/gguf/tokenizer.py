@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from .reader import GGUFError, read_header, shard_paths
+from .config import meta_int, meta_list
 from .tensors import ARCH, is_glm_dsa
 
 # llama.cpp pre-tokenizer name -> the split regex its tokenizer.json carries
@@ -27,9 +28,12 @@ def tokenizer_json(meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if model != "gpt2" or pre not in PRE_TOKENIZER_SPLITS:
         raise GGUFError(f"cannot rebuild a tokenizer from tokenizer.ggml.model={model!r} pre={pre!r}; "
                         "pass --tokenizer <directory of the original model's tokenizer.json>")
-    tokens = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tokens = meta_list(meta, "tokenizer.ggml.tokens", str)
+    if not tokens:
+        raise GGUFError("the GGUF has no tokenizer.ggml.tokens; pass --tokenizer <directory of the original "
+                        "model's tokenizer.json>")
+    types = meta_list(meta, "tokenizer.ggml.token_type", int) or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta_list(meta, "tokenizer.ggml.merges", str) or []]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                ignore_merges=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -40,12 +44,12 @@ def tokenizer_json(meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                if ty in (_CONTROL, _USER_DEFINED) and not t.startswith("[PAD")]
     tok.add_special_tokens(special)
     cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                           "model_max_length": int(meta.get(f"{ARCH}.context_length", 4096))}
+                           "model_max_length": meta_int(meta, f"{ARCH}.context_length", 4096, lo=1, hi=1 << 31)}
     for key, name in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"),
                       ("padding_token_id", "pad_token"), ("unknown_token_id", "unk_token")):
-        if (i := meta.get(f"tokenizer.ggml.{key}")) is not None and 0 <= int(i) < len(tokens):
-            cfg[name] = tokens[int(i)]
-    if (tmpl := meta.get("tokenizer.chat_template")) is not None:
+        if isinstance(i := meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens):
+            cfg[name] = tokens[i]
+    if isinstance(tmpl := meta.get("tokenizer.chat_template"), str):
         cfg["chat_template"] = tmpl
     return tok.to_str(), cfg
 

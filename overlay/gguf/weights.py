@@ -112,6 +112,8 @@ def plan(tensors: dict[str, TensorInfo], release: str | None = None) -> Plan:
                              [parts[p] for p in KV_B_PARTS],
                              dense=True, why="kv_b_proj rebuilt from attn_k_b + attn_v_b"))
 
+    ignored = set(unmapped)
+    problems += [msg for name, t in tensors.items() if name not in ignored and (msg := t.layout_problem())]
     by_name = {e.hf_name: e for e in entries if e.kind != "experts"}
     for e in entries:
         types = {s.type_name for s in e.sources}

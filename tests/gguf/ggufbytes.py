@@ -27,6 +27,13 @@ class Typed:
     count: int | None = None     # ARR: the element count to write (a lie when it differs)
 
 
+@dataclass
+class Raw:
+    """A metadata value written as given bytes after its type id (e.g. arrays nested thousands deep)."""
+    vtype: int
+    data: bytes
+
+
 def s(x: str | bytes) -> bytes:
     b = x.encode() if isinstance(x, str) else x
     return struct.pack("<Q", len(b)) + b
@@ -59,6 +66,8 @@ def value(t: Typed) -> bytes:
 
 
 def kv(key: str, v: Any) -> bytes:
+    if isinstance(v, Raw):
+        return s(key) + struct.pack("<I", v.vtype) + v.data
     t = _auto(v)
     return s(key) + struct.pack("<I", t.vtype) + value(t)
 
@@ -138,7 +147,8 @@ def glm_dsa_tensors(c: dict, drop=(), expert_type: str | int = "Q4_K") -> list[t
         if name in drop or (want.optional and name != "output.weight"):
             continue
         shape = want.shape
-        t = "F32" if len(shape) == 1 else expert_type if "_exps" in name else "Q4_K" if shape[-1] % 256 == 0 else "Q8_0"
+        t = ("F32" if len(shape) == 1 else expert_type if "_exps" in name else
+             "Q4_K" if shape[-1] % 256 == 0 else "Q8_0" if shape[-1] % 32 == 0 else "F16")
         out.append((name, shape, t))
     return out
 

@@ -67,7 +67,8 @@ def test_missing_shard(tiny, tmp_path):
     os.remove(parts[1])
     code, out = run(parts[0])
     assert code == 1
-    assert _problems(out) == [f"PROBLEM {parts[1]}: shard missing ({len(parts)} expected); download every -of- part"]
+    assert _problems(out) == [f"PROBLEM {parts[1]}: shard missing ({len(parts)} expected); download every -of- "
+                              f"part into {tmp_path}"]
 
 
 def _patch(src, dst, find: bytes, at: int, new: bytes):
@@ -165,7 +166,7 @@ def test_glm5_sized_sparse_file_checks_in_seconds(tmp_path):
     assert code == 0, out
     assert "layers: 78 (3 dense, 75 MoE)" in out and "MTP: 1 NextN" in out
     assert "indexer (DSA): 32 heads x 128, top-k 2048" in out
-    assert elapsed < 20, f"check-gguf took {elapsed:.1f}s on a {size / 2**30:.0f} GiB file"
+    assert elapsed < 2, f"check-gguf took {elapsed:.1f}s on a {size / 2**30:.0f} GiB file"
 
 
 def test_wrong_architecture(tmp_path):
