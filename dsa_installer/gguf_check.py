@@ -3,7 +3,9 @@
 Reads only GGUF headers (metadata and tensor infos, never tensor data), so a 400 GB split model is
 checked in seconds: architecture, hyper-parameters, every expected tensor present with the expected
 shape and a ggml type vLLM (or the overlay's dequantizer) can use, every shard present, none
-truncated.  Prints a summary, then one line per problem naming the tensor or shard; exits 1 on any.
+truncated.  Prints a summary, then one line per problem naming the tensor or shard (the first 40, then
+how many more); exits 1 on any.  Any path gets that answer: a missing file, a directory, a FIFO or a
+corrupt header is a PROBLEM line too (the reader checks every count and type before it allocates).
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from dataclasses import dataclass, field
 
 import click
 
-from overlay import gguf_glm_dsa as g
+from overlay.gguf import reader, tensors, weights
+from overlay.gguf.config import config_dict
+from overlay.gguf.tokenizer import PRE_TOKENIZER_SPLITS
 
 # hyper-parameters compared against --hf-config-path
 _COMPARED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
@@ -33,76 +37,10 @@ class Report:
         return not self.problems
 
 
-def expected_shapes(cfg: dict, layer_kv_b_split: dict[int, bool], has_output: bool,
-                    gate_up_fused: dict[int, bool]) -> tuple[dict[str, tuple], set[str]]:
-    """GGUF tensor name -> HF-order shape for a glm-dsa model; and the names that may be absent."""
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
-    nh, rope, nope, vd = cfg["num_attention_heads"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-    ql, kl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    E, Ie, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
-    Is = Ie * cfg["n_shared_experts"]
-    ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
-    n_layers, n_mtp = cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]
-    exp: dict[str, tuple] = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
-    optional: set[str] = set()
-    if has_output:
-        exp["output.weight"] = (V, H)
-    for i in range(n_layers + n_mtp):
-        b = f"blk.{i}."
-        exp[b + "attn_norm.weight"] = (H,)
-        exp[b + "ffn_norm.weight"] = (H,)
-        if ql:
-            exp[b + "attn_q_a.weight"] = (ql, H)
-            exp[b + "attn_q_a_norm.weight"] = (ql,)
-            exp[b + "attn_q_b.weight"] = (nh * (nope + rope), ql)
-        else:
-            exp[b + "attn_q.weight"] = (nh * (nope + rope), H)
-        exp[b + "attn_kv_a_mqa.weight"] = (kl + rope, H)
-        exp[b + "attn_kv_a_norm.weight"] = (kl,)
-        if layer_kv_b_split.get(i, True):
-            exp[b + "attn_k_b.weight"] = (nh, kl, nope)
-            exp[b + "attn_v_b.weight"] = (nh, vd, kl)
-        else:
-            exp[b + "attn_kv_b.weight"] = (nh * (nope + vd), kl)
-        exp[b + "attn_output.weight"] = (H, nh * vd)
-        if ih:
-            exp[b + "indexer.attn_q_b.weight"] = (ih * idim, ql or H)
-            exp[b + "indexer.attn_k.weight"] = (idim, H)
-            exp[b + "indexer.k_norm.weight"] = (idim,)
-            exp[b + "indexer.k_norm.bias"] = (idim,)
-            exp[b + "indexer.proj.weight"] = (ih, H)
-        if i < cfg["first_k_dense_replace"]:
-            exp[b + "ffn_gate.weight"] = (I, H)
-            exp[b + "ffn_up.weight"] = (I, H)
-            exp[b + "ffn_down.weight"] = (H, I)
-        else:
-            exp[b + "ffn_gate_inp.weight"] = (E, H)
-            exp[b + "exp_probs_b.bias"] = (E,)
-            if gate_up_fused.get(i):
-                exp[b + "ffn_gate_up_exps.weight"] = (E, 2 * Ie, H)
-            else:
-                exp[b + "ffn_gate_exps.weight"] = (E, Ie, H)
-                exp[b + "ffn_up_exps.weight"] = (E, Ie, H)
-            exp[b + "ffn_down_exps.weight"] = (E, H, Ie)
-            if Is:
-                exp[b + "ffn_gate_shexp.weight"] = (Is, H)
-                exp[b + "ffn_up_shexp.weight"] = (Is, H)
-                exp[b + "ffn_down_shexp.weight"] = (H, Is)
-        if i >= n_layers:
-            exp[b + "nextn.eh_proj.weight"] = (H, 2 * H)
-            exp[b + "nextn.enorm.weight"] = (H,)
-            exp[b + "nextn.hnorm.weight"] = (H,)
-            exp[b + "nextn.shared_head_norm.weight"] = (H,)
-            for opt, shp in (("nextn.shared_head_head.weight", (V, H)), ("nextn.embed_tokens.weight", (V, H))):
-                exp[b + opt] = shp
-                optional.add(b + opt)
-    return exp, optional
-
-
 def _dequantizable(type_name: str) -> bool:
     try:
         import gguf
-        return gguf.GGMLQuantizationType[type_name] in gguf.quants._type_traits or type_name in g.DENSE_TYPES
+        return gguf.GGMLQuantizationType[type_name] in gguf.quants._type_traits or type_name in reader.DENSE_TYPES
     except Exception:
         return False
 
@@ -115,116 +53,161 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def check(path: str, hf_config_path: str | None = None, release: str | None = None) -> Report:
-    rep = Report()
-    paths = g.shard_paths(path)
-    headers: list[g.GGUFHeader] = []
-    for p in paths:
-        if not os.path.isfile(p):
-            rep.problems.append(f"{p}: shard missing ({len(paths)} expected); download every -of- part")
-            continue
-        try:
-            headers.append(g.read_header(p))
-        except g.GGUFError as exc:
-            rep.problems.append(str(exc))
-    if not headers:
-        return rep
-    first = headers[0]
-    if first.path != paths[0]:
-        rep.problems.append(f"{paths[0]}: first shard unreadable; its metadata describes the model")
-        return rep
-    arch = first.arch
-    if arch != g.ARCH:
-        rep.problems.append(f"{first.path}: architecture {arch!r}, expected {g.ARCH!r} (a GLM-5 GGUF "
-                            "converted by llama.cpp's convert_hf_to_gguf.py)")
-        return rep
-
-    # shards: split metadata and truncation
-    if len(paths) > 1:
-        count = first.metadata.get("split.count")
-        if count is not None and int(count) != len(paths):
-            rep.problems.append(f"{first.path}: split.count is {count} but the file name says {len(paths)} shards")
-        total = first.metadata.get("split.tensors.count")
-        have = sum(len(h.tensors) for h in headers)
-        if total is not None and len(headers) == len(paths) and int(total) != have:
-            rep.problems.append(f"{first.path}: split.tensors.count is {total} but the shards hold {have} tensors")
-        for i, h in enumerate(headers):
-            no = h.metadata.get("split.no")
-            idx = paths.index(h.path)
-            if no is not None and int(no) != idx:
-                rep.problems.append(f"{h.path}: split.no is {no}, expected {idx}")
-    for h in headers:
-        end, last = h.data_start, None
-        for t in h.tensors.values():
-            if t.nbytes < 0:
-                continue
-            if t.offset + t.nbytes > end:
-                end, last = t.offset + t.nbytes, t
-        if end > h.file_size:
-            what = f"tensor {last.name} ends at byte {end}" if last else f"data starts at byte {end}"
-            rep.problems.append(f"{h.path}: truncated: {what} but the file has {h.file_size} bytes "
-                                f"({end - h.file_size} missing); re-download it")
-
-    tensors = g.merged_tensors(headers)
-    for name, t in tensors.items():
-        if t.ggml_type not in g.GGML_TYPES:
-            rep.problems.append(f"{t.path}: tensor {name} has unknown ggml type id {t.ggml_type}")
+def _read_shards(path: str, rep: Report) -> tuple[list[str], list[reader.GGUFHeader]]:
+    """Every shard's header; each unreadable one is a problem saying why (missing, a FIFO, ...)."""
     try:
-        cfg = g.config_dict(first.metadata, tensors)
-    except g.GGUFError as exc:
-        rep.problems.append(f"{first.path}: {exc}")
-        return rep
-    if not cfg.get("vocab_size"):
-        emb = tensors.get("token_embd.weight")
-        cfg["vocab_size"] = emb.shape[0] if emb else 0
-
-    if hf_config_path:
-        cj = os.path.join(hf_config_path, "config.json")
+        paths = reader.shard_paths(path)
+    except reader.GGUFError as exc:
+        rep.problems.append(str(exc))
+        return [], []
+    headers = []
+    for p in paths:
         try:
-            with open(cj) as f:
-                hf = json.load(f)
-        except (OSError, ValueError) as exc:
-            rep.problems.append(f"{cj}: unreadable ({exc})")
-            hf = {}
-        if hf and hf.get("model_type") not in (g.MODEL_TYPE, None):
-            rep.problems.append(f"{cj}: model_type {hf.get('model_type')!r}, expected {g.MODEL_TYPE!r}")
-        for key in _COMPARED:
-            if key in hf and hf[key] != cfg.get(key) and not (key == "vocab_size" and hf[key] >= cfg[key]):
-                rep.problems.append(f"{cj}: {key} = {hf[key]} but the GGUF says {cfg.get(key)}")
+            headers.append(reader.read_header(p, 0 if p == path else len(paths)))
+        except reader.GGUFError as exc:
+            rep.problems.append(str(exc))
+    return paths, headers
 
-    n_layers, n_mtp = cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]
-    kv_split = {i: f"blk.{i}.attn_kv_b.weight" not in tensors for i in range(n_layers + n_mtp)}
-    fused = {i: f"blk.{i}.ffn_gate_up_exps.weight" in tensors for i in range(n_layers + n_mtp)}
-    expected, optional = expected_shapes(cfg, kv_split, "output.weight" in tensors, fused)
-    for name, shape in expected.items():
-        t = tensors.get(name)
-        if t is None:
-            if name not in optional:
-                rep.problems.append(f"{first.path}: tensor {name} missing (expected shape {list(shape)})")
+
+def _split_problems(paths: list[str], headers: list[reader.GGUFHeader]) -> list[str]:
+    first, out = headers[0], []
+
+    def integer(h: reader.GGUFHeader, key: str) -> int | None:
+        v = h.metadata.get(key)
+        if v is None or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
+        out.append(f"{h.path}: {key} is {reader.show(v)}, expected an integer")
+        return None
+
+    count = integer(first, "split.count")
+    if count is not None and count != len(paths):
+        out.append(f"{first.path}: split.count is {count} but the file name says {len(paths)} shards")
+    total, have = integer(first, "split.tensors.count"), sum(len(h.tensors) for h in headers)
+    if total is not None and len(headers) == len(paths) and total != have:
+        out.append(f"{first.path}: split.tensors.count is {total} but the shards hold {have} tensors")
+    index = {p: i for i, p in enumerate(paths)}
+    for h in headers:
+        no = integer(h, "split.no")
+        if no is not None and no != index[h.path]:
+            out.append(f"{h.path}: split.no is {no}, expected {index[h.path]}")
+    return out
+
+
+def _truncation(h: reader.GGUFHeader) -> str | None:
+    end, last = h.data_start, None
+    for t in h.tensors.values():
+        if t.nbytes >= 0 and t.offset + t.nbytes > end:
+            end, last = t.offset + t.nbytes, t
+    if end <= h.file_size:
+        return None
+    what = f"tensor {last.name} ends at byte {end}" if last else f"data starts at byte {end}"
+    return (f"{h.path}: truncated: {what} but the file has {h.file_size} bytes ({end - h.file_size} missing); "
+            "re-download it")
+
+
+def _hf_config_problems(hf_config_path: str, cfg: dict) -> list[str]:
+    cj = os.path.join(hf_config_path, "config.json")
+    if not os.path.isfile(cj):
+        return [f"{cj}: not a file; --hf-config-path takes the folder of the original model's config.json"]
+    try:
+        with open(cj) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as exc:
+        return [f"{cj}: unreadable ({exc})"]
+    if not isinstance(hf, dict):
+        return [f"{cj}: not a JSON object"]
+    out = []
+    if hf.get("model_type") not in (tensors.MODEL_TYPE, None):
+        out.append(f"{cj}: model_type {hf.get('model_type')!r}, expected {tensors.MODEL_TYPE!r}")
+    for key in _COMPARED:
+        if key not in hf or hf[key] == cfg.get(key):
             continue
-        if tuple(t.shape) != tuple(shape):
-            rep.problems.append(f"{t.path}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
+        if key == "vocab_size" and isinstance(hf[key], int) and hf[key] >= (cfg[key] or 0):
+            continue    # HF pads the vocabulary
+        out.append(f"{cj}: {key} = {hf[key]} but the GGUF says {cfg.get(key)}")
+    return out
+
+
+def _tensor_problems(rep: Report, cfg: dict, found: dict[str, reader.TensorInfo], first_path: str) -> set[str]:
+    """Missing tensors, wrong shapes and unusable types against the runtime table; the expected names."""
+    expected = tensors.expected_tensors(cfg, found)
+    for name, want in expected.items():
+        t = found.get(name)
+        if t is None:
+            if not want.optional:
+                rep.problems.append(f"{first_path}: tensor {name} missing (expected shape {list(want.shape)})")
+            continue
+        if tuple(t.shape) != want.shape:
+            rep.problems.append(f"{t.path}: tensor {name} has shape {list(t.shape)}, expected {list(want.shape)}")
         tn = t.type_name
-        if tn not in g.VLLM_GGUF_TYPES and t.ggml_type in g.GGML_TYPES:
+        if tn not in reader.VLLM_GGUF_TYPES and t.ggml_type in reader.GGML_TYPES:
             if _dequantizable(tn):
                 rep.notes.append(f"{name}: ggml type {tn} is dequantized at load (vLLM has no kernel for it)")
             else:
                 rep.problems.append(f"{t.path}: tensor {name} has ggml type {tn}, which neither vLLM's GGUF "
                                     "kernels nor gguf-py's dequantizer support; re-quantize it")
-    for name in sorted(set(tensors) - set(expected)):
-        rep.notes.append(f"{name}: not a glm-dsa tensor this overlay loads (ignored)")
-    p = g.plan(tensors, release)
-    rep.problems.extend(f"{first.path}: {msg}" for msg in p.problems)
+    return set(expected)
 
-    # summary
-    by_type: dict[str, int] = {}
-    for t in tensors.values():
-        by_type[t.type_name] = by_type.get(t.type_name, 0) + max(t.nbytes, 0)
+
+def _text(v, default: str) -> str:
+    return default if v is None else v[:80] if isinstance(v, str) else reader.show(v)
+
+
+def check(path: str, hf_config_path: str | None = None, release: str | None = None) -> Report:
+    rep = Report()
+    path = os.fspath(path)
+    paths, headers = _read_shards(path, rep)
+    if not headers or headers[0].path != paths[0]:
+        return rep          # the first shard's own problem is listed: its metadata describes the model
+    first = headers[0]
+    arch = first.arch
+    if arch != tensors.ARCH:
+        shown = repr(arch[:80]) if isinstance(arch, str) else _text(arch, "none")
+        rep.problems.append(f"{first.path}: architecture {shown}, expected {tensors.ARCH!r} (a GLM-5 GGUF "
+                            "converted by llama.cpp's convert_hf_to_gguf.py)")
+        return rep
+    if len(paths) > 1:
+        rep.problems += _split_problems(paths, headers)
+    rep.problems += [msg for h in headers if (msg := _truncation(h))]
+    if len(headers) < len(paths):
+        return rep      # the tensor set is checked whole only: a missing shard's tensors would all be "missing"
+
+    found = reader.merged_tensors(headers)
+    try:
+        cfg = config_dict(first.metadata, found)
+    except reader.GGUFError as exc:
+        rep.problems.append(f"{first.path}: {exc}")
+        return rep
+    if not cfg.get("vocab_size"):
+        emb = found.get("token_embd.weight")
+        cfg["vocab_size"] = emb.shape[0] if emb else 0
+    if hf_config_path:
+        rep.problems += _hf_config_problems(hf_config_path, cfg)
+    expected = _tensor_problems(rep, cfg, found, first.path)
+    p = weights.plan(found, release)
+    rep.problems.extend(f"{first.path}: {msg}" for msg in p.problems)
+    unmapped = set(p.unmapped)
+    for name in sorted(set(found) - expected):
+        if name in unmapped and (msg := found[name].layout_problem()):
+            rep.problems.append(f"{found[name].path}: {msg}")     # ignored by the loader, yet a corrupt file
+        rep.notes.append(f"{name}: not a glm-dsa tensor this overlay loads (ignored)")
+    rep.summary += _summary(paths, headers, found, cfg, p)
+    return rep
+
+
+def _summary(paths, headers, found, cfg, p) -> list[str]:
+    first = headers[0]
     meta = first.metadata
-    dense = [e for e in p.entries if e.dense and not all(s.type_name in g.DENSE_TYPES for s in e.sources)]
-    rep.summary += [
+    n_layers, n_mtp = cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]
+    by_type: dict[str, int] = {}
+    for t in found.values():
+        by_type[t.type_name] = by_type.get(t.type_name, 0) + max(t.nbytes, 0)
+    dense = [e for e in p.entries if e.dense and not all(s.type_name in reader.DENSE_TYPES for s in e.sources)]
+    tok_model, tok_pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return [
         f"file: {paths[0]}" + (f" (+{len(paths) - 1} shards)" if len(paths) > 1 else ""),
-        f"architecture: {arch} ({meta.get('general.name', '?')}), {len(tensors)} tensors, "
+        f"architecture: {first.arch} ({_text(meta.get('general.name'), '?')}), {len(found)} tensors, "
         f"{_fmt_bytes(sum(h.file_size for h in headers))} on disk",
         f"layers: {n_layers} ({cfg['first_k_dense_replace']} dense, {n_layers - cfg['first_k_dense_replace']} MoE),"
         f" hidden {cfg['hidden_size']}, heads {cfg['num_attention_heads']}, context {cfg['max_position_embeddings']}",
@@ -234,21 +217,36 @@ def check(path: str, hf_config_path: str | None = None, release: str | None = No
         f"{cfg['n_shared_experts']} shared, routing bias {'yes (noaux_tc)' if cfg.get('topk_method') else 'no'}",
         f"indexer (DSA): {cfg['index_n_heads']} heads x {cfg['index_head_dim']}, top-k {cfg['index_topk']}",
         f"MTP: {n_mtp} NextN layer(s)" + (" (usable for MTP speculative decoding)" if n_mtp else ""),
-        f"tokenizer: {meta.get('tokenizer.ggml.model', 'none')}/{meta.get('tokenizer.ggml.pre', '-')}, "
-        f"{len(meta.get('tokenizer.ggml.tokens', ()))} tokens, " + (
-            "rebuilt from the GGUF by the overlay" if meta.get("tokenizer.ggml.model") == "gpt2"
-            and meta.get("tokenizer.ggml.pre") in g.PRE_TOKENIZER_SPLITS
+        f"tokenizer: {_text(tok_model, 'none')}/{_text(tok_pre, '-')}, "
+        f"{len(tokens) if isinstance(tokens, list) else 0} tokens, " + (
+            "rebuilt from the GGUF by the overlay" if tok_model == "gpt2" and tok_pre in PRE_TOKENIZER_SPLITS
             else "not rebuildable: serve with --tokenizer <original model dir>"),
         "bytes per ggml type: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in
                                             sorted(by_type.items(), key=lambda kv: -kv[1])),
         f"dequantized at load: {len(dense)} tensors ({_fmt_bytes(sum(s.nbytes for e in dense for s in e.sources))} "
         "quantized) - kv_b halves, router/indexer layers vLLM keeps dense, types without a vLLM kernel",
     ]
-    return rep
+
+
+# at most this many problem (and note) lines are printed; the last line counts them all
+SHOWN = 40
+
+
+def _one_line(line: str, width: int = 400) -> str:
+    """A line as printed: control characters (a hostile key or tensor name may hold any) escaped, cut."""
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    return line if len(line) <= width else line[:width] + "..."
+
+
+def _echo_capped(lines: list[str], prefix: str) -> None:
+    for line in lines[:SHOWN]:
+        click.echo(f"{prefix}{_one_line(line)}")
+    if len(lines) > SHOWN:
+        click.echo(f"{prefix}... and {len(lines) - SHOWN} more")
 
 
 @click.command("check-gguf")
-@click.argument("path", type=click.Path(dir_okay=False))
+@click.argument("path", type=click.Path(readable=False))
 @click.option("--hf-config-path", type=click.Path(file_okay=False), default=None,
               help="directory with the original config.json to compare hyper-parameters against")
 @click.option("-v", "--verbose", is_flag=True, help="also print notes (tensors dequantized at load, ignored)")
@@ -258,11 +256,10 @@ def check_gguf(path: str, hf_config_path: str | None, verbose: bool) -> None:
     for line in rep.summary:
         click.echo(line)
     if verbose:
-        for line in rep.notes:
-            click.echo(f"note: {line}")
-    for line in rep.problems:
-        click.echo(f"PROBLEM {line}")
+        _echo_capped(rep.notes, "note: ")
+    _echo_capped(rep.problems, "PROBLEM ")
     if rep.problems:
-        click.echo(f"check-gguf: {len(rep.problems)} problem(s); fix them before loading")
+        shown = f", the first {SHOWN} shown" if len(rep.problems) > SHOWN else ""
+        click.echo(f"check-gguf: {len(rep.problems)} problem(s){shown}; fix them before loading")
         raise SystemExit(1)
     click.echo("check-gguf: OK")

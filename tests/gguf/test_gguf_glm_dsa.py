@@ -1,12 +1,15 @@
 """The overlay's glm-dsa GGUF mapping on files made by llama.cpp's own converter and quantizer."""
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from overlay import gguf_glm_dsa as g
+from overlay import gguf_glm_dsa as hooks
+from overlay.gguf import config, reader, tensors, weights
 
 # relative RMS error allowed per ggml type (vs the BF16 reference); a wrong mapping gives ~1.4
 REL_RMS = {"Q8_0": 0.01, "Q6_K": 0.03, "Q5_K": 0.05, "Q5_0": 0.05, "Q5_1": 0.05, "Q4_K": 0.1,
@@ -18,7 +21,7 @@ def _types_of(path):
 
 
 def test_bf16_reproduces_every_hf_tensor_exactly(tiny, tiny_ref):
-    got = dict(g.hf_tensors(tiny.gguf("BF16")))
+    got = dict(weights.hf_tensors(tiny.gguf("BF16")))
     assert set(got) == set(tiny_ref)
     assert any(".mlp.experts.7.down_proj" in k for k in got) and any("kv_b_proj" in k for k in got)
     assert any(k.startswith("model.layers.2.") for k in got), "MTP block (layer 2) not mapped"
@@ -32,9 +35,9 @@ def test_bf16_reproduces_every_hf_tensor_exactly(tiny, tiny_ref):
 def test_quantized_within_dequantization_tolerance(tiny, tiny_ref, tag):
     types = _types_of(tiny.gguf(tag))
     seen = set()
-    got = dict(g.hf_tensors(tiny.gguf(tag)))
+    got = dict(weights.hf_tensors(tiny.gguf(tag)))
     assert set(got) == set(tiny_ref)
-    plan = g.plan(g.merged_tensors(g.read_model(tiny.gguf(tag))))
+    plan = weights.plan(reader.merged_tensors(reader.read_model(tiny.gguf(tag))))
     src_type = {}
     for e in plan.entries:
         worst = max((s.type_name for s in e.sources), key=lambda t: REL_RMS.get(t, 0))
@@ -58,12 +61,12 @@ def test_quantized_within_dequantization_tolerance(tiny, tiny_ref, tag):
 
 
 def test_split_equals_single_file(tiny):
-    single = dict(g.hf_tensors(tiny.gguf("Q4_K_M")))
-    split = dict(g.hf_tensors(tiny.split_first))
+    single = dict(weights.hf_tensors(tiny.gguf("Q4_K_M")))
+    split = dict(weights.hf_tensors(tiny.split_first))
     assert set(single) == set(split)
     for k in single:
         assert torch.equal(single[k], split[k]), k
-    shards = g.read_model(tiny.split_first)
+    shards = reader.read_model(tiny.split_first)
     assert len(shards) >= 2 and "general.architecture" not in shards[1].metadata
 
 
@@ -75,7 +78,7 @@ def test_kv_b_rebuild_is_the_inverse_of_llama_cpp_split():
     per_head = kv_b.view(H, nope + v, kv_lora)
     k_b, v_b = torch.split(per_head, [nope, v], dim=1)
     k_b = k_b.transpose(1, 2)
-    assert torch.equal(g.kv_b_from_parts(k_b.contiguous(), v_b.contiguous()), kv_b)
+    assert torch.equal(weights.kv_b_from_parts(k_b.contiguous(), v_b.contiguous()), kv_b)
 
 
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -89,8 +92,8 @@ CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermed
 
 
 def test_config_from_metadata_matches_hf_config(tiny):
-    headers = g.read_model(tiny.gguf("Q4_K_M"))
-    cfg = g.config_dict(headers[0].metadata, g.merged_tensors(headers))
+    headers = reader.read_model(tiny.gguf("Q4_K_M"))
+    cfg = config.config_dict(headers[0].metadata, reader.merged_tensors(headers))
     for key in CONFIG_FIELDS:
         want = tiny.config[key]
         if isinstance(want, float):
@@ -102,9 +105,9 @@ def test_config_from_metadata_matches_hf_config(tiny):
 
 
 def test_config_without_routing_bias_is_not_noaux_tc(tiny):
-    headers = g.read_model(tiny.gguf("BF16"))
-    names = [n for n in g.merged_tensors(headers) if not n.endswith("exp_probs_b.bias")]
-    assert "topk_method" not in g.config_dict(headers[0].metadata, names)
+    headers = reader.read_model(tiny.gguf("BF16"))
+    names = [n for n in reader.merged_tensors(headers) if not n.endswith("exp_probs_b.bias")]
+    assert "topk_method" not in config.config_dict(headers[0].metadata, names)
 
 
 def _dequant_stream(stream):
@@ -132,7 +135,7 @@ def _dequant_stream(stream):
 @pytest.mark.parametrize("release", ["0.16.0", "0.23.0"])
 def test_vllm_stream_quantized_and_dense_loads(tiny, release):
     path = tiny.gguf("Q4_K_M")
-    m = g.GlmDsaNameMap(path, release)
+    m = weights.GlmDsaNameMap(path, release)
     assert m["output.weight"] == "lm_head.weight"
     assert m["blk.1.attn_k_b.weight"] == m["blk.1.attn_v_b.weight"] == "model.layers.1.self_attn.kv_b_proj.weight"
     assert m["blk.1.ffn_down_exps.weight"] == "model.layers.1.mlp.experts.0.down_proj.weight"
@@ -144,8 +147,10 @@ def test_vllm_stream_quantized_and_dense_loads(tiny, release):
             out, types = _dequant_stream(m.dsa_weights([path]))
         finally:
             torch.set_default_dtype(prev)
-    ref = dict(g.hf_tensors(path, release))
+    ref = dict(weights.hf_tensors(path, release))
     tmap = m.dsa_weight_type_map(path)
+    file_types = _types_of(path)    # gguf-py's own reading of the file
+    experts_seen = 0
     for name, w in out.items():
         if ".experts.0." in name:
             n_exp = w.shape[0]
@@ -153,8 +158,17 @@ def test_vllm_stream_quantized_and_dense_loads(tiny, release):
                 assert torch.equal(w[i], ref[name.replace(".experts.0.", f".experts.{i}.")].to(w.dtype)), name
         else:
             assert torch.equal(w, ref[name]), name
-        dense = name[: -len("weight")] not in types
-        assert (tmap[name] in ("BF16", "F32", "F16")) == dense or ".experts." in name, name
+        base = name[: -len("weight")]
+        if base in types:   # qweight + qweight_type: the type map names the streamed type
+            assert tmap[name] == gguf.GGMLQuantizationType(types[base]).name, name
+        else:
+            assert tmap[name] in ("BF16", "F32", "F16"), name
+        if (e := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.0\.(gate|up|down)_proj\.weight$", name)):
+            # quantized experts stream the file's own type (vLLM's GGUF MoE kernel dequantizes it)
+            assert tmap[name] == file_types[f"blk.{e.group(1)}.ffn_{e.group(2)}_exps.weight"], name
+            assert tmap[name] not in ("BF16", "F32", "F16"), name
+            experts_seen += 1
+    assert experts_seen == sum(n.endswith("_exps.weight") for n in file_types) > 0
     # the layers vLLM builds without a quant method arrive dense, whatever the file holds
     for i in range(3):
         assert tmap[f"model.layers.{i}.self_attn.kv_b_proj.weight"] == "BF16"
@@ -184,7 +198,7 @@ def test_fused_shards_stream_in_shard_index_order(tiny, tag):
     up_proj, or the quantized model's q/kv latents are swapped (H200 run of 2026-11-29: Q8_0 top-1
     agreement 0.002 before this order was fixed)."""
     path = tiny.gguf(tag)
-    m = g.GlmDsaNameMap(path, "0.23.0")
+    m = weights.GlmDsaNameMap(path, "0.23.0")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -210,7 +224,7 @@ def test_fused_shards_stream_in_shard_index_order(tiny, tag):
 
 def test_bf16_stream_experts_carry_a_dense_qweight_type(tiny):
     path = tiny.gguf("BF16")
-    m = g.GlmDsaNameMap(path, "0.23.0")
+    m = weights.GlmDsaNameMap(path, "0.23.0")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -229,6 +243,6 @@ def test_non_glm_file_is_left_to_vllm(tmp_path):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    assert g.weights_map(tmp_path / "llama.gguf") is None
-    assert g.config_for_gguf(str(tmp_path / "llama.gguf")) is None
-    assert not g.is_glm_dsa(tmp_path / "nonexistent.gguf")
+    assert hooks.weights_map(tmp_path / "llama.gguf") is None
+    assert hooks.config_for_gguf(str(tmp_path / "llama.gguf")) is None
+    assert not tensors.is_glm_dsa(tmp_path / "nonexistent.gguf")

@@ -10,11 +10,12 @@ REPO = Path(__file__).resolve().parents[2]
 _PROBE = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from overlay import gguf_glm_dsa as g
+from overlay import gguf_glm_dsa as hooks
+from overlay.gguf import reader, tokenizer
 from transformers import AutoTokenizer
 ref = AutoTokenizer.from_pretrained(sys.argv[2])
-d = g.tokenizer_for_gguf(sys.argv[3])
-assert g.tokenizer_for_gguf(sys.argv[2]) == sys.argv[2]       # not a GGUF: unchanged
+d = hooks.tokenizer_for_gguf(sys.argv[3])
+assert hooks.tokenizer_for_gguf(sys.argv[2]) == sys.argv[2]       # not a GGUF: unchanged
 got = AutoTokenizer.from_pretrained(d)
 texts = ["The sparse attention index 12345 selects 7 tokens!", "  two  spaces\nand\ttabs\n\n",
          "[gMASK]<sop><|user|>hello<|assistant|>", "Ünïcödé 中文 🚀 (emoji) ---=== '''", "gguf vllm 3.3 3..3"]
@@ -22,9 +23,9 @@ out = {"same_ids": [ref.encode(t, add_special_tokens=False) == got.encode(t, add
        "roundtrip": [got.decode(got.encode(t, add_special_tokens=False)) == t for t in texts],
        "eos": [ref.eos_token, got.eos_token], "dir": d}
 try:
-    g.tokenizer_json({"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default"})
+    tokenizer.tokenizer_json({"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default"})
     out["error"] = None
-except g.GGUFError as e:
+except reader.GGUFError as e:
     out["error"] = str(e)
 print("JSON" + json.dumps(out))
 """

@@ -85,7 +85,7 @@ def test_vllm_023_gguf_iteration_through_the_hooks(patched_site, tiny):
     assert c["indexer_rope_interleave"] is True and c["tie_word_embeddings"] is False
     if out["transformers"].startswith("4."):
         # FACTS: transformers 4.57.6 lacks glm_moe_dsa; the overlay's registration provides it
-        assert out["gguf_config_class"].endswith("gguf_glm_dsa.GlmMoeDsaConfig")
+        assert out["gguf_config_class"] == "vllm._dsa_overlay.gguf.config.GlmMoeDsaConfig"
     assert out["hf_config"] == {"model_type": "glm_moe_dsa", "kv_lora_rank": 64, "index_n_heads": 4}
     single, split = out["res"]["single"], out["res"]["split"]
     assert single["map_type"] == split["map_type"] == "GlmDsaNameMap"
