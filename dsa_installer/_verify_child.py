@@ -1,7 +1,9 @@
 """Run by verify in the target's interpreter: `python -I _verify_child.py SITE OUT.json MODULE...`.
 
 Imports each module with SITE first on sys.path and writes the outcome as JSON to OUT.json. Must not
-import dsa_installer (the target interpreter need not have it)."""
+import dsa_installer (the target interpreter need not have it). As it goes it prints one line per step
+to stdout, `PROGRESS` followed by JSON, which verify.py shows while the rest (vLLM's logs) is kept for
+the error tail."""
 
 import contextlib
 import importlib
@@ -36,6 +38,13 @@ def run_selftest(main) -> dict:
     return {"ok": passed, "report": "\n".join(buf.getvalue().splitlines() + why) or "passed"}
 
 
+PROGRESS = "@dsa-verify-progress "  # the same marker in verify.py
+
+
+def _progress(**event) -> None:
+    print(PROGRESS + json.dumps(event), flush=True)
+
+
 def main() -> None:
     site, out, modules = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     sys.path.insert(0, str(site))
@@ -45,7 +54,9 @@ def main() -> None:
         ok, value = _call(lambda: importlib.import_module(name))
         result["modules"].append({"module": name, "ok": ok, "error": None if ok else value,
                                   "seconds": round(time.perf_counter() - t0, 3)})
+        _progress(step="module", **result["modules"][-1])
     if (site / "vllm" / "_dsa_overlay" / "verify_hooks.py").is_file():
+        _progress(step="hooks")
         ok, value = _call(lambda: importlib.import_module("vllm._dsa_overlay.verify_hooks").report())
         result["hooks"] = {"ok": ok, "report": value if not ok or isinstance(value, str) else str(value)}
     if (site / "vllm" / "_dsa_overlay" / "kernels" / "selftest.py").is_file():
@@ -53,6 +64,7 @@ def main() -> None:
         if not ok:
             result["selftest"] = {"ok": False, "report": f"torch does not import: {has_gpu}"}
         elif has_gpu:
+            _progress(step="selftest")
             result["selftest"] = run_selftest(
                 lambda: importlib.import_module("vllm._dsa_overlay.kernels.selftest").main())
         else:

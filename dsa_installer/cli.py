@@ -1,9 +1,9 @@
 """The `apply.py` / `dsa-overlay` command line.
 
-    apply.py [--vllm-site-packages PATH] [--dry-run] [--json] [--force-version X] [--wait]   (apply)
+    apply.py [apply] [--vllm-site-packages PATH] [--dry-run] [--json] [--force-version X] [--wait]
     apply.py rollback [--vllm-site-packages PATH] [--force] [--json] [--wait]
     apply.py status   [--vllm-site-packages PATH] [--json]
-    apply.py bootstrap [--venv DIR] [--vllm VERSION]
+    apply.py bootstrap [--venv DIR] [--vllm VERSION] [--json]   (also on a Python without click: bootstrap.py)
 
 A user mistake prints one line `error: ...` (plus `{"error": ...}` on stdout with --json) and exits 2.
 More subcommands: define a click command (use `site_option`/`json_option`, `inherit` and `run`) and
@@ -18,16 +18,16 @@ from typing import Callable
 
 import click
 
-from . import __version__, engine
+from . import __version__, engine, fsops
+from .bootstrap import DEFAULT_VLLM
 from .errors import UserError
 from .site import default_site_packages
 
-DEFAULT_VLLM = "0.23.0"  # what `bootstrap` installs unless told otherwise (stated in README.md)
-
 
 def site_option(f: Callable) -> Callable:
+    # a plain path: a file or a missing folder is the engine's one-line `error:`, not a click usage error
     return click.option(
-        "--vllm-site-packages", "site", type=click.Path(path_type=Path, file_okay=False),
+        "--vllm-site-packages", "site", type=click.Path(path_type=Path),
         help="site-packages directory holding vllm/ (default: where this Python finds vllm).",
     )(f)
 
@@ -38,6 +38,17 @@ def json_option(f: Callable) -> Callable:
 
 def wait_option(f: Callable) -> Callable:
     return click.option("--wait", is_flag=True, help="Wait for a concurrent apply/rollback instead of failing.")(f)
+
+
+def apply_options(f: Callable) -> Callable:
+    """The options of apply, taken by the group (`apply.py [OPTIONS]`) and by `apply.py apply [OPTIONS]`."""
+    f = wait_option(f)
+    f = click.option("--force-version", metavar="X",
+                     help="Use patch set X on another vLLM release (exact context only).")(f)
+    f = json_option(f)
+    f = click.option("--dry-run", is_flag=True, help="Print the unified diff and the files it would add; "
+                     "change nothing.")(f)
+    return site_option(f)
 
 
 def run(as_json: bool, action: Callable[[], dict], render: Callable[[dict], None]) -> None:
@@ -65,22 +76,53 @@ def resolve_site(site: Path | None) -> Path:
     return (site or default_site_packages()).absolute()
 
 
+def announce_wait(site: Path, wait: bool) -> None:
+    """With --wait, say before blocking that another apply/rollback holds the lock.
+
+    The probe takes the free lock and drops it at once; an apply without --wait starting in that instant
+    reports the lock as held, which is what it would report a moment later anyway."""
+    if not wait:
+        return
+    try:
+        with fsops.Lock(site / "vllm"):
+            return
+    except UserError:
+        click.echo(f"waiting for the lock held by another apply/rollback on {site} ...", err=True)
+    except OSError:  # no vllm/ folder: the engine reports it
+        return
+
+
+def _apply(site: Path | None, dry_run: bool, as_json: bool, force_version: str | None, wait: bool) -> None:
+    def action() -> dict:
+        where = resolve_site(site)
+        if not dry_run:  # a dry run takes no lock
+            announce_wait(where, wait)
+        return engine.apply(where, force_version, wait, dry_run)
+
+    run(as_json, action, _render_apply)
+
+
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
-@site_option
-@click.option("--dry-run", is_flag=True, help="Print the unified diff and the files it would add; change nothing.")
-@json_option
-@click.option("--force-version", metavar="X", help="Use patch set X on another vLLM release (exact context only).")
-@wait_option
+@apply_options
 @click.version_option(__version__, prog_name="dsa-overlay")
 @click.pass_context
 def cli(ctx, site, dry_run, as_json, force_version, wait) -> None:
     """Apply the dsa-overlay patch set to an installed vLLM (the default action), or roll it back."""
-    if ctx.invoked_subcommand is not None:
-        if dry_run or force_version:
-            raise click.UsageError("--dry-run and --force-version belong to apply; use them without a subcommand")
-        ctx.obj = {"site": site, "as_json": as_json, "wait": wait}  # `apply.py --vllm-site-packages P status`
+    if ctx.invoked_subcommand is None:
+        _apply(site, dry_run, as_json, force_version, wait)
         return
-    run(as_json, lambda: engine.apply(resolve_site(site), force_version, wait, dry_run), _render_apply)
+    if (dry_run or force_version) and ctx.invoked_subcommand != "apply":
+        raise click.UsageError("--dry-run and --force-version belong to apply; use them without a subcommand")
+    # `apply.py --vllm-site-packages P status`: options given before the subcommand
+    ctx.obj = {"site": site, "as_json": as_json, "wait": wait, "dry_run": dry_run, "force_version": force_version}
+
+
+@cli.command("apply")
+@apply_options
+@click.pass_context
+def apply_command(ctx, site, dry_run, as_json, force_version, wait) -> None:
+    """Apply the patch set for the installed vLLM (what `apply.py` without a subcommand does)."""
+    _apply(*inherit(ctx, site=site, dry_run=dry_run, as_json=as_json, force_version=force_version, wait=wait))
 
 
 @cli.command()
@@ -92,7 +134,13 @@ def cli(ctx, site, dry_run, as_json, force_version, wait) -> None:
 def rollback(ctx, site, force, as_json, wait) -> None:
     """Restore every patched file byte for byte and remove every added file."""
     site, as_json, wait = inherit(ctx, site=site, as_json=as_json, wait=wait)
-    run(as_json, lambda: engine.rollback(resolve_site(site), force, wait), _render_rollback)
+
+    def action() -> dict:
+        where = resolve_site(site)
+        announce_wait(where, wait)
+        return engine.rollback(where, force, wait)
+
+    run(as_json, action, _render_rollback)
 
 
 @cli.command()
@@ -106,15 +154,15 @@ def status(ctx, site, as_json) -> None:
 
 
 @cli.command()
-@click.option("--venv", type=click.Path(path_type=Path, file_okay=False), default=Path(".venv"), show_default=True,
+@click.option("--venv", type=click.Path(path_type=Path), default=Path(".venv"), show_default=True,
               help="Virtual environment to create (or reuse).")
 @click.option("--vllm", "version", default=DEFAULT_VLLM, show_default=True, help="vLLM release to install.")
 @json_option
 def bootstrap(venv, version, as_json) -> None:
-    """Create a venv, pip install vLLM, apply the overlay, run verify."""
+    """Create a venv, pip install this tool and vLLM into it, apply the overlay, run verify."""
     from . import bootstrap as boot
 
-    run(as_json, lambda: boot.bootstrap(venv.absolute(), version), lambda r: click.echo(r["message"]))
+    run(as_json, lambda: boot.bootstrap(venv.absolute(), version, as_json), lambda r: click.echo(r["message"]))
 
 
 def _render_apply(r: dict) -> None:

@@ -96,9 +96,9 @@ def _already_applied(site: Path, current: dict, force_version: str | None) -> di
     """A re-apply: a no-op when the recorded apply is intact and is what this patch set would write."""
     info = status(site)
     if info["state"] != "applied":
-        raise UserError(
-            f"{site}: the overlay is {info['state']} ({_first_problem(info)}); run `apply.py rollback` first"
-        )
+        edited = info["state"] == "modified after apply"  # plain rollback refuses an edited tree
+        undo = "`apply.py rollback --force` first (it discards that edit)" if edited else "`apply.py rollback` first"
+        raise UserError(f"{site}: the overlay is {info['state']} ({_first_problem(info)}); run {undo}")
     wanted = force_version or info["vllm_version"]
     backups = {f["path"]: fsops.read_or_none(state.backup_path(site, f["path"])) for f in current["patched"]}
     same = (wanted == current["patch_set"] and None not in backups.values()

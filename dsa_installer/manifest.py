@@ -17,11 +17,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from . import resources
 from .errors import UserError
 
@@ -84,6 +79,11 @@ def load(version: str) -> PatchSet:
 
 
 def _read_toml(path: Path) -> dict:
+    # imported here so that `supported_versions` works on a bare Python 3.10 (bootstrap.py)
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

@@ -13,7 +13,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -22,6 +24,7 @@ from .errors import UserError
 from .site import default_site_packages, vllm_version
 
 CHILD = Path(__file__).with_name("_verify_child.py")
+PROGRESS = "@dsa-verify-progress "  # the marker of the child's progress lines (_verify_child.py)
 
 
 def module_name(rel: str) -> str | None:
@@ -58,26 +61,58 @@ def interpreter_for(site: Path) -> str:
     return sys.executable
 
 
-def run(site: Path, python: str | None = None, timeout: float = 900) -> dict:
-    vllm_version(site)
+def run(site: Path, python: str | None = None, timeout: float = 900,
+        progress: Callable[[str], None] | None = None) -> dict:
+    """Import the modules in a subprocess; `progress` gets one line as each step starts or ends."""
+    say = progress or (lambda text: None)
+    version = vllm_version(site)
     what, modules = modules_to_check(site)
     python = python or interpreter_for(site)
     env = dict(os.environ)
     stub = cudastub.stub_dir_for(site)
     if stub is not None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(stub), env.get("LD_LIBRARY_PATH")]))
+    say(f"verify: vLLM {version} at {site}, {what}: importing {len(modules)} modules with {python} "
+        "(the first one loads torch and vLLM: 5-20 s) ...")
     with tempfile.TemporaryDirectory(prefix="dsa-verify-") as tmp:
         out = Path(tmp) / "result.json"
-        proc = subprocess.run([python, "-I", str(CHILD), str(site), str(out), *modules], cwd=tmp, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        proc = subprocess.Popen([python, "-I", str(CHILD), str(site), str(out), *modules], cwd=tmp, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        killed: list[bool] = []
+        timer = threading.Timer(timeout, lambda: killed.append(True) or proc.kill())
+        timer.start()
+        try:
+            log = _follow(proc, len(modules), say)
+        finally:
+            timer.cancel()
         if not out.is_file():
-            tail = proc.stdout.strip().splitlines()[-1:] or ["no output"]
-            raise UserError(f"verify subprocess ({python}) died with exit code {proc.returncode}: {tail[0]}")
+            tail = ([line.strip() for line in log if line.strip()] or ["no output"])[-1]
+            why = f"took longer than {timeout:.0f} s" if killed else f"died with exit code {proc.returncode}: {tail}"
+            raise UserError(f"verify subprocess ({python}) {why}")
         result = json.loads(out.read_text())
     ok = all(m["ok"] for m in result["modules"]) and all(
         (result[k] or {"ok": True})["ok"] for k in ("hooks", "selftest"))
     return {"site": str(site), "interpreter": python, "checked": what, "libcuda": str(stub) if stub else "system",
             "ok": ok, **result}
+
+
+def _follow(proc: subprocess.Popen, total: int, say: Callable[[str], None]) -> list[str]:
+    """Read the child's output to its end: progress lines go to `say`, the rest is returned."""
+    log, done = [], 0
+    for line in proc.stdout:
+        if PROGRESS not in line:
+            log.append(line)
+            continue
+        event = json.loads(line.split(PROGRESS, 1)[1])
+        if event["step"] == "module":
+            done += 1
+            state = "ok" if event["ok"] else f"FAIL  {event['error']}"
+            say(f"verify: [{done:{len(str(total))}}/{total}] {event['seconds']:6.2f} s  {event['module']}  {state}")
+        else:
+            say({"hooks": "verify: running vllm/_dsa_overlay/verify_hooks.py report() ...",
+                 "selftest": "verify: running the kernel self-test on the GPU ..."}[event["step"]])
+    proc.wait()
+    return log
 
 
 def render(r: dict, err: bool = False) -> None:
@@ -95,14 +130,14 @@ def render(r: dict, err: bool = False) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--vllm-site-packages", "site", type=click.Path(path_type=Path, file_okay=False),
+@click.option("--vllm-site-packages", "site", type=click.Path(path_type=Path),
               help="site-packages directory holding vllm/ (default: where this Python finds vllm).")
 @click.option("--python", help="Interpreter for the import checks (default: the venv owning the site-packages).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def cli(site, python, as_json) -> None:
     """Import-time smoke test of every patched and dropped-in module (and a GPU kernel self-test)."""
     try:
-        r = run((site or default_site_packages()).absolute(), python)
+        r = run((site or default_site_packages()).absolute(), python, progress=lambda t: click.echo(t, err=True))
     except UserError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

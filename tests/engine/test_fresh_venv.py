@@ -1,5 +1,8 @@
-"""The README's first command on a real, fresh venv: bootstrap (pip install vllm, apply, verify), the
-speculators hook proven inside the real vLLM, rollback, verify again, every installed file as pip wrote it."""
+"""The README's first command as written, on a Python without click or unidiff: `python apply.py bootstrap`
+makes a venv, installs this tool and vLLM into it, applies and verifies; that venv then runs `dsa-overlay
+status` and `verify.py`, the speculators hook is proven inside the real vLLM, rollback restores every installed
+file as pip wrote it. pip installs as configured (PIP_* variables pass through); the summary prints the
+bootstrap's time and the venv's size."""
 
 import base64
 import csv
@@ -8,14 +11,17 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
+import venv
 from pathlib import Path
 
 import pytest
 
-from dsa_installer import cli as dsa_cli
 from dsa_installer import cudastub, fsops
+from dsa_installer.bootstrap import DEFAULT_VLLM
+from tests.conftest import TIMINGS
 
-from .conftest import cli
+from .conftest import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -69,38 +75,53 @@ def _record_problems(site: Path, version: str) -> list[str]:
     return problems
 
 
-def test_bootstrap_apply_verify_rollback_in_a_fresh_venv():
-    version = dsa_cli.DEFAULT_VLLM
-    venv = Path(tempfile.mkdtemp(prefix="dsa-overlay-fresh-venv-"))
-    shutil.rmtree(venv)
-    try:
-        boot = cli("bootstrap", "--venv", venv, "--vllm", version, timeout=1800)
-        assert boot.returncode == 0, (boot.stdout + boot.stderr)[-3000:]
-        assert "verify: all ok" in boot.stderr and "applied and verified" in boot.stdout
-        (site,) = (venv / "lib").glob("python3*/site-packages")
-        python = venv / "bin" / "python"
+def _size(path: Path) -> int:
+    return sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
 
-        st = json.loads(cli("status", "--vllm-site-packages", site, "--json").stdout)
-        assert (st["state"], st["vllm_version"]) == ("applied", version)
+
+def test_readme_bootstrap_on_a_python_without_click():
+    version = DEFAULT_VLLM
+    work = Path(tempfile.mkdtemp(prefix="dsa-overlay-fresh-venv-"))
+    bare, target = work / "bare", work / "venv"
+    try:
+        venv.create(bare, with_pip=False)  # the user's Python: its base interpreter, nothing installed
+        probe = subprocess.run([bare / "bin/python", "-c", "import click"], capture_output=True, text=True)
+        assert "No module named 'click'" in probe.stderr
+        t0 = time.monotonic()
+        boot = subprocess.run([bare / "bin/python", "apply.py", "bootstrap", "--venv", target, "--vllm", version],
+                              cwd=REPO, capture_output=True, text=True, timeout=1800)
+        seconds = time.monotonic() - t0
+        assert boot.returncode == 0, (boot.stdout + boot.stderr)[-3000:]
+        TIMINGS.append(f"README bootstrap (Python without click, vLLM {version}): {seconds:.0f} s, "
+                       f"venv {_size(target) / 1e9:.1f} GB")
+        assert "verify: all ok" in boot.stderr and "applied and verified" in boot.stdout
+        assert [f"bootstrap [{n}/5]" in boot.stderr for n in range(1, 6)] == [True] * 5
+        (site,) = (target / "lib").glob("python3*/site-packages")
+        python, tool = target / "bin/python", target / "bin/dsa-overlay"
+
+        st = subprocess.run([tool, "status", "--json"], capture_output=True, text=True)  # vllm of this venv
+        assert st.returncode == 0, st.stderr
+        st = json.loads(st.stdout)
+        assert (st["state"], st["vllm_version"], st["site"]) == ("applied", version, str(site))
         out = _probe(python, site)
         assert out[0].startswith("glm-dsa -> (") and out[0].endswith("tiny-glm-dsa.gguf', 'tok', None)"), out
         assert out[1].startswith("deepseek2 -> (") and out[1].endswith("tiny-deepseek2.gguf', 'tok', None)"), out
         assert out[2] == "missing raised OSError", out
 
-        checked = cli("--vllm-site-packages", site, script="verify.py")
+        checked = subprocess.run([python, "verify.py"], cwd=REPO, capture_output=True, text=True)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert checked.stdout.rstrip().endswith("verify: all ok")
 
-        rolled = cli("rollback", "--vllm-site-packages", site)
+        rolled = subprocess.run([tool, "rollback"], capture_output=True, text=True)
         assert rolled.returncode == 0, rolled.stderr
         assert _probe(python, site) == [
             "glm-dsa raised ValueError GGUF model with architecture glm-dsa is not supported yet.",
             "deepseek2 raised ValueError GGUF model with architecture deepseek2 is not supported yet.",
             "missing raised OSError",
         ]
-        again = cli("--vllm-site-packages", site, script="verify.py")
+        again = subprocess.run([python, "verify.py"], cwd=REPO, capture_output=True, text=True)
         assert again.returncode == 0 and "no overlay applied (pristine targets)" in again.stdout, again.stdout
         assert _record_problems(site, version) == []
         assert not (site / "vllm/_dsa_overlay").exists() and not (site / "vllm/.dsa_overlay").exists()
     finally:
-        shutil.rmtree(venv, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)

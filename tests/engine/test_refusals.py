@@ -116,10 +116,10 @@ def test_edits_after_apply_block_rollback_unless_forced(tree):
         status_word = {"edited": "modified", "deleted": "missing"}.get(what, "unexpected")
         assert_error(cli("--vllm-site-packages", site),
                      f"{site}: the overlay is modified after apply ({relpath}: {status_word}); "
-                     "run `apply.py rollback` first")
+                     "run `apply.py rollback --force` first (it discards that edit)")
         assert {p: p.read_bytes() for p in snapshot if p.exists()} == {p: b for p, b in snapshot.items() if p.exists()}
         assert all(p.exists() for p in snapshot)
-        forced = cli("rollback", "--vllm-site-packages", site, "--force")
+        forced = cli("rollback", "--vllm-site-packages", site, "--force")  # what apply said: works at once
         assert forced.returncode == 0, forced.stderr
         tree.assert_pristine()
         assert not (site / "vllm/_dsa_overlay").exists()
