@@ -14,8 +14,10 @@ with torch), never stored in this repository.  Without it the torch column is sk
 
 Per row: correctness first (max |ours - DeepGEMM| over the visible positions relative to max |DG|,
 each kernel's max error vs a float64 torch reference on a sample of rows, and the overlap of the
-top-2048 sets of ours and DeepGEMM), then timing: CUDA events around each call, L2 flushed (a
-256 MiB buffer rewritten) before every call, median of the repetitions.
+top-2048 sets of ours and DeepGEMM), then timing by bench/timing.py: graph (GPU time by CUDA-graph
+replay), eager (one plain call) and launch (host time per call) for ours and DeepGEMM, L2 flushed
+before every graph and eager call.  `--mma-sync` adds our kernel built for mma.sync (a child run
+with DISABLE_MMA_V3=1, its own TRITON_CACHE_DIR).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import datetime
 import math
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
@@ -44,10 +45,12 @@ DEV = "cpu" if CPU_SMOKE else "cuda"
 if CPU_SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from bench.timing import (Timer, Timing, add_timing_args, mma_sync_column, rank_us,  # noqa: E402
+                          write_child_json)
 from overlay.kernels import indexer as ours  # noqa: E402
 
 if CPU_SMOKE:  # Triton <= 3.6 interpreter vs numpy >= 2.4 (triton-lang/triton#9171)
-    from tests.kernels._interp import numpy24_fix
+    from tools.triton_interp import numpy24_fix
 
     numpy24_fix()
 
@@ -194,7 +197,7 @@ def decode_inputs(B, ctx, next_n, g, upstream):
         if upstream.ops is not None:
             upstream.ops.indexer_k_quant_and_cache(keys, cache, slots, D, "ue8m0")
         else:
-            writer = "dsa_installer indexer_k_quant_and_cache_ref"
+            writer = "overlay.kernels.indexer.indexer_k_quant_and_cache_ref"
             ours.indexer_k_quant_and_cache_ref(keys, cache, slots, D, "ue8m0")
     q = (torch.randn(B, next_n, HEADS, D, device=DEV, generator=g) * 2).to(FP8)
     w = torch.randn(B * next_n, HEADS, device=DEV, generator=g) * HEADS ** -0.5
@@ -206,61 +209,6 @@ def decode_inputs(B, ctx, next_n, g, upstream):
 # ------------------------------------------------------------------------------------------------
 # Measuring
 # ------------------------------------------------------------------------------------------------
-
-_FLUSH = None
-
-
-def _events_loop(run, reps):
-    if CPU_SMOKE:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    times = []
-    for _ in range(reps):
-        _FLUSH.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def timeit(fn, reps: int, warmup: int = 2, graph: bool = True):
-    """(median microseconds of one call, "graph" or "eager"), L2 flushed before each call.
-
-    graph=True captures the call in a CUDA graph and times its replay: the GPU time serving sees
-    (vLLM runs decode under CUDA graphs), free of Python launch overhead.  Falls back to eager
-    calls when capture fails."""
-    for _ in range(warmup):
-        fn()
-    if CPU_SMOKE:
-        return _events_loop(fn, reps), "eager"
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            us = _events_loop(g.replay, reps)
-            del g
-            return us, "graph"
-        except Exception:  # noqa: BLE001 - not capturable: time it eagerly
-            torch.cuda.synchronize()
-    return _events_loop(fn, reps), "eager"
-
 
 def _err(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -349,9 +297,17 @@ def fmt(x, unit=""):
 # ------------------------------------------------------------------------------------------------
 
 
-def run_prefill(M, N, upstream, fb_prefill, reps, g):
+def _fmt_us(x):
+    return fmt(x, "us")
+
+
+def run_prefill(M, N, upstream, fb_prefill, timer, g, child=False):
     row = {"case": f"prefill M={M} N={N}"}
     q, kv, w, ks, ke = prefill_inputs(M, N, g)
+    call = lambda: ours.fp8_mqa_logits(q, kv, w, ks, ke, False)  # noqa: E731
+    if child:   # the mma.sync build: our time only
+        row["ours"] = timer.measure(call, eager=not timer.cuda, launch=False)
+        return row
     sample = torch.linspace(0, M - 1, 12, device=DEV).long()
     mask = _visible_mask_prefill(ks, ke, N)
     a = ours.fp8_mqa_logits(q, kv, w, ks, ke, False)
@@ -364,13 +320,11 @@ def run_prefill(M, N, upstream, fb_prefill, reps, g):
         rows = torch.linspace(0, M - 1, 64, device=DEV).long()
         row["diff"], row["overlap"] = compare(a[rows], b[rows], mask[rows])
         del b
-        row["dg_us"], row["dg_mode"] = timeit(lambda: upstream.prefill(q, kv, w, ks, ke), reps)
+        row["dg"] = timer.measure(lambda: upstream.prefill(q, kv, w, ks, ke))
     except Exception as e:  # noqa: BLE001
-        row["dg_us"] = f"DeepGEMM failed: {_err(e)}"
-    call = lambda: ours.fp8_mqa_logits(q, kv, w, ks, ke, False)  # noqa: E731
-    row["ours_us"], row["ours_mode"] = timeit(call, reps)
-    row["ours_eager_us"], _ = timeit(call, reps, graph=False)
+        row["dg"] = f"DeepGEMM failed: {_err(e)}"
     del a
+    row["ours"] = timer.measure(call)
     if fb_prefill is None:
         row["torch_us"] = "skipped"
     else:
@@ -382,21 +336,24 @@ def run_prefill(M, N, upstream, fb_prefill, reps, g):
                 c = fb_prefill(q, kv, w, ks, ke)
                 row["err_torch"] = max_rel_err(c[sample], ref, rmask)
                 del c
-                row["torch_us"], _ = timeit(lambda: fb_prefill(q, kv, w, ks, ke), 2, warmup=0,
-                                            graph=False)
+                row["torch_us"] = timer.eager_us(lambda: fb_prefill(q, kv, w, ks, ke), 2)
             except Exception as e:  # noqa: BLE001
                 row["torch_us"] = f"failed: {_err(e)}"
             _empty_cache()
     return row
 
 
-def run_decode(B, ctx, next_n, upstream, fb_decode, reps, g):
+def run_decode(B, ctx, next_n, upstream, fb_decode, timer, g, child=False):
     row = {"case": f"decode B={B} ctx={ctx // 1024}K next_n={next_n}"}
     q, cache, w, cl, tables, row["writer"] = decode_inputs(B, ctx, next_n, g, upstream)
     mml = ctx
-    mask = _visible_mask_decode(cl, mml)
     meta_ours = ours.get_paged_mqa_logits_metadata(cl, BLOCK_SIZE, 132)
-    a = ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, meta_ours, mml, False)
+    call = lambda: ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, meta_ours, mml, False)  # noqa: E731
+    if child:   # the mma.sync build: our time only
+        row["ours"] = timer.measure(call, eager=not timer.cuda, launch=False)
+        return row
+    mask = _visible_mask_decode(cl, mml)
+    a = call()
     sample = sorted(set(torch.linspace(0, B * next_n - 1, 8).long().tolist()))
     ref, rmask = fp64_rows_decode(q, cache, w, cl, tables, sample, mml)
     row["err_ours"] = max_rel_err(a[sample], ref, rmask)
@@ -407,13 +364,10 @@ def run_decode(B, ctx, next_n, upstream, fb_decode, reps, g):
         rows = sample
         row["diff"], row["overlap"] = compare(a[rows], b[rows], mask[rows])
         del b
-        row["dg_us"], row["dg_mode"] = timeit(
-            lambda: upstream.decode(q, cache, w, cl, tables, meta, mml), reps)
+        row["dg"] = timer.measure(lambda: upstream.decode(q, cache, w, cl, tables, meta, mml))
     except Exception as e:  # noqa: BLE001
-        row["dg_us"] = f"DeepGEMM failed: {_err(e)}"
-    call = lambda: ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, meta_ours, mml, False)  # noqa: E731
-    row["ours_us"], row["ours_mode"] = timeit(call, reps)
-    row["ours_eager_us"], _ = timeit(call, reps, graph=False)
+        row["dg"] = f"DeepGEMM failed: {_err(e)}"
+    row["ours"] = timer.measure(call)
     if fb_decode is None:
         row["torch_us"] = "skipped"
     else:
@@ -425,12 +379,11 @@ def run_decode(B, ctx, next_n, upstream, fb_decode, reps, g):
                 cl1 = cl[:, -1].contiguous()   # 0.17.1's fallback takes [B] context lengths
                 t0 = time.perf_counter()
                 c = fb_decode(q, cache, w, cl1, tables, mml)
-                if not CPU_SMOKE:
-                    torch.cuda.synchronize()
+                timer.sync()
                 first = (time.perf_counter() - t0) * 1e6
                 row["err_torch"] = max_rel_err(c[sample], ref, rmask)
-                row["torch_us"] = timeit(lambda: fb_decode(q, cache, w, cl1, tables, mml), 1,
-                                         warmup=0, graph=False)[0] if first < 2e6 else first
+                row["torch_us"] = (timer.eager_us(lambda: fb_decode(q, cache, w, cl1, tables, mml), 1)
+                                   if first < 2e6 else first)
             except Exception as e:  # noqa: BLE001
                 row["torch_us"] = f"failed: {_err(e)}"
     del cache
@@ -464,10 +417,17 @@ DECODE_SWEEP = [
 ]
 
 
-def run_sweep(deadline, reps, g, upstream, lines):
+def run_sweep(deadline, reps, g, upstream, lines, timer):
     sms = _num_sms()
-    lines += ["", "### Config sweep (ours only; first row = default)", "",
+    lines += ["", "### Config sweep (ours only, graph us; first row = default)", "",
               "| kernel | config | case | us |", "|---|---|---|---|"]
+
+    def graph_us(fn):
+        try:
+            return _fmt_us(rank_us(timer.measure(fn, reps, eager=not timer.cuda, launch=False)))
+        except Exception as e:  # noqa: BLE001
+            return _err(e)
+
     cases = [(4096, 16384)]
     for cfg in PREFILL_SWEEP:
         for M, N in cases:
@@ -475,12 +435,7 @@ def run_sweep(deadline, reps, g, upstream, lines):
                 lines.append("| prefill | (time budget spent) | | |")
                 return
             q, kv, w, ks, ke = prefill_inputs(M, N, g)
-            try:
-                us, _ = timeit(lambda: ours.fp8_mqa_logits(q, kv, w, ks, ke, False, _config=cfg),
-                               reps)
-                res = fmt(us, "us")
-            except Exception as e:  # noqa: BLE001
-                res = _err(e)
+            res = graph_us(lambda: ours.fp8_mqa_logits(q, kv, w, ks, ke, False, _config=cfg))
             lines.append(f"| prefill | {cfg} | M={M} N={N} | {res} |")
     dcases = [(1, 4096), (32, 16384), (128, 65536)]
     inputs = {c: decode_inputs(c[0], c[1], 1, g, upstream) for c in dcases}
@@ -492,12 +447,8 @@ def run_sweep(deadline, reps, g, upstream, lines):
             if time.time() > deadline:
                 lines.append("| decode | (time budget spent) | | |")
                 return
-            try:
-                us, _ = timeit(lambda: ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, None,
-                                                                 ctx, False, _config=c2), reps)
-                res = fmt(us, "us")
-            except Exception as e:  # noqa: BLE001
-                res = _err(e)
+            res = graph_us(lambda: ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, None, ctx, False,
+                                                             _config=c2))
             lines.append(f"| decode | {cfg} | B={B} ctx={ctx // 1024}K | {res} |")
 
 
@@ -506,11 +457,12 @@ def run_sweep(deadline, reps, g, upstream, lines):
 # kernel variant timed against DeepGEMM and checked against it (one call, < 90 s)
 # ------------------------------------------------------------------------------------------------
 
-# Below target in bench/results/h200-indexer-run1.md (speed in brackets), then two small controls.
-FOCUS_PREFILL = [(4096, 4096), (4096, 16384)]               # 0.67x, 0.71x
+# Below target in bench/results/h200-indexer-run1.md (their speeds: bench/RESULTS.md), then two small
+# decode controls.
+FOCUS_PREFILL = [(4096, 4096), (4096, 16384)]
 FOCUS_DECODE = [(128, 4096, 1), (32, 16384, 1), (128, 16384, 1), (8, 65536, 1), (32, 65536, 1),
-                (128, 65536, 1), (32, 16384, 2), (128, 16384, 2),  # 0.61x .. 0.48x
-                (1, 4096, 1), (8, 4096, 1)]                         # small controls (0.77x, 0.79x)
+                (128, 65536, 1), (32, 16384, 2), (128, 16384, 2),
+                (1, 4096, 1), (8, 4096, 1)]   # the small controls
 # name -> _config override ({} = the shipped default for this shape).  "run1" is the tile the
 # first run used (on today's kernel structure: per-request inner loop, q/weights hoisted).
 FOCUS_PREFILL_VARIANTS = [
@@ -538,24 +490,26 @@ FOCUS_DECODE_VARIANTS = [
 ]
 
 
-def _focus_cell(call, ref_rows, rows, mask, reps):
-    """'us (speed)' for one variant, or why not; a variant disagreeing with DeepGEMM is marked."""
+
+def _focus_cell(call, ref_rows, rows, mask, timer, reps, full):
+    """(Timing or why not, diff vs DeepGEMM): graph time (every column when `full`)."""
     try:
         out = call()
         diff = None
         if ref_rows is not None:
             diff, _ = compare(out[rows], ref_rows, mask[rows])
         del out
-        us, mode = timeit(call, reps)
-        return us, diff, "*" if mode == "eager" else ""
+        return timer.measure(call, reps, eager=full or not timer.cuda, launch=full), diff
     except Exception as e:  # noqa: BLE001
-        return _err(e), None, ""
+        return _err(e), None
 
 
-def run_focus(args, upstream, g, lines):
-    """One table per kernel: rows = shapes, columns = DeepGEMM then every variant as
-    'us / speed vs DeepGEMM'; '!' marks a variant whose result differs from DeepGEMM by more
-    than 1e-3 relative (a wrong variant; never pick it)."""
+def run_focus(args, upstream, g, lines, timer, mma, child_times):
+    """One table per kernel: rows = shapes, columns = DeepGEMM (graph, eager, launch) then every
+    variant as 'graph us / speed vs DeepGEMM', then the default's eager and launch times; '!' marks
+    a variant whose result differs from DeepGEMM by more than 1e-3 relative (a wrong variant; never
+    pick it). In the mma.sync child (child_times is a dict) only the default is timed."""
+    child = child_times is not None
     reps = max(5, min(args.reps, 10))
     t0 = time.time()
     sms = _num_sms()
@@ -564,41 +518,61 @@ def run_focus(args, upstream, g, lines):
         prefill_cases, decode_cases, reps = [(24, 700)], [(3, 300, 1), (2, 260, 2)], 1
 
     def table(kind, variants, cases, make_calls):
-        head = "| case | DeepGEMM us | " + " | ".join(n for n, _ in variants) + " | best |"
-        lines.extend(["", f"### {kind}: us (speed = DeepGEMM / ours; >= 0.70x is the target)", "",
-                      head, "|---" * (len(variants) + 3) + "|"])
+        mma_head = " default mma.sync us |" if args.mma_sync else ""
+        head = ("| case | DeepGEMM graph us | DeepGEMM eager us | DeepGEMM launch us | "
+                + " | ".join(n for n, _ in variants) + f" | default eager us | default launch us |{mma_head} best |")
+        ncols = len(variants) + 7 + bool(args.mma_sync)
+        lines.extend(["", f"### {kind}: graph us (speed = DeepGEMM / ours; >= 0.70x is the target)", "",
+                      head, "|---" * ncols + "|"])
         for case in cases:
             if time.time() - t0 > args.budget_s:
-                lines.append(f"| {case} | (time budget spent) |" + " |" * (len(variants) + 1))
+                lines.append(f"| {case} | (time budget spent) |" + " |" * (ncols - 2))
                 continue
             try:
                 label, dg_call, our_call, rows, mask = make_calls(case)
             except Exception as e:  # noqa: BLE001
-                lines.append(f"| {case} | inputs failed: {_err(e)} |" + " |" * (len(variants) + 1))
+                lines.append(f"| {case} | inputs failed: {_err(e)} |" + " |" * (ncols - 2))
                 continue
-            ref_rows, dg_us = None, None
+            if child:
+                try:
+                    child_times[label] = rank_us(timer.measure(lambda: our_call({}), reps,
+                                                               eager=not timer.cuda, launch=False))
+                except Exception as e:  # noqa: BLE001
+                    print(f"{label}: {_err(e)}", file=sys.stderr)
+                _empty_cache()
+                continue
+            ref_rows, dg = None, None
             try:
                 b = dg_call()
                 ref_rows = b[rows]
                 del b
-                dg_us, _ = timeit(dg_call, reps)
+                dg = timer.measure(dg_call, reps)
             except Exception as e:  # noqa: BLE001
-                dg_us = f"failed: {_err(e)}"
-            cells, best = [], None
+                dg = f"failed: {_err(e)}"
+            dg_us = rank_us(dg) if isinstance(dg, Timing) else None
+            cells, best, default = [], None, None
             for name, cfg in variants:
-                us, diff, star = _focus_cell(lambda c=cfg: our_call(c), ref_rows, rows, mask, reps)
+                t, diff = _focus_cell(lambda c=cfg: our_call(c), ref_rows, rows, mask, timer, reps,
+                                      full=name == "default")
                 bad = diff is not None and not (diff <= 1e-3)
-                if isinstance(us, float):
-                    sp = f" / {dg_us / us:.2f}x" if isinstance(dg_us, float) else ""
-                    cells.append(f"{fmt(us, 'us')}{star}{sp}{' !' if bad else ''}")
+                us = rank_us(t) if isinstance(t, Timing) else None
+                if name == "default" and isinstance(t, Timing):
+                    default = t
+                if us is not None:
+                    sp = f" / {dg_us / us:.2f}x" if dg_us else ""
+                    cells.append(f"{_fmt_us(us)}{sp}{' !' if bad else ''}")
                     if not bad and (best is None or us < best[0]):
                         best = (us, name)
                 else:
-                    cells.append(us)
+                    cells.append(t if isinstance(t, str) else t.note or "n/a")
             best_s = "n/a" if best is None else (
-                f"{best[1]} ({dg_us / best[0]:.2f}x)" if isinstance(dg_us, float) else best[1])
-            lines.append(f"| {label} | {fmt(dg_us, 'us')} | " + " | ".join(cells)
-                         + f" | {best_s} |")
+                f"{best[1]} ({dg_us / best[0]:.2f}x)" if dg_us else best[1])
+            dg_cells = dg.cells(_fmt_us) if isinstance(dg, Timing) else [dg, "", ""]
+            tail = [_fmt_us(default.eager_us if default else None),
+                    _fmt_us(default.launch_us if default else None)]
+            if args.mma_sync:
+                tail.append(_fmt_us(mma.get(label)))
+            lines.append(f"| {label} | " + " | ".join(dg_cells + cells + tail) + f" | {best_s} |")
             print(lines[-1], flush=True)
             _empty_cache()
 
@@ -617,7 +591,7 @@ def run_focus(args, upstream, g, lines):
         q, cache, w, cl, tables, _ = decode_inputs(B, ctx, nn, g, upstream)
         mask = _visible_mask_decode(cl, ctx)
         rows = sorted(set(torch.linspace(0, B * nn - 1, 8).long().tolist()))
-        meta = upstream.metadata(cl) if not upstream.error else None
+        meta = upstream.metadata(cl) if not upstream.error and not child else None
 
         def our_call(cfg):
             cfg = dict(cfg)
@@ -649,7 +623,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fallback-src", help="vLLM 0.17.1 vllm/utils/deep_gemm.py or its wheel")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_indexer.md"))
-    ap.add_argument("--reps", type=int, default=15)
+    add_timing_args(ap, reps=15)
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="wall-clock budget; the config sweep uses what the table leaves")
     ap.add_argument("--no-sweep", action="store_true")
@@ -660,13 +634,18 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes on the CPU under the Triton interpreter (tests this script)")
     args = ap.parse_args()
+    child = args.mma_sync_child is not None
+    mma, mma_note = mma_sync_column(args, __file__)
     t_start = time.time()
     deadline = t_start + args.budget_s
 
     assert CPU_SMOKE or torch.cuda.is_available(), "bench_indexer needs a CUDA GPU"
+    if CPU_SMOKE:   # one call per column: the interpreter takes seconds per call
+        args.reps, args.replays, args.launch_calls = 1, 1, 1
+    timer = Timer(DEV, args.reps, args.replays, args.launch_calls)
     g = torch.Generator(device=DEV).manual_seed(0)
     upstream = _Upstream() if not CPU_SMOKE else _Upstream.standin()
-    fb_prefill, fb_decode, fb_note = load_torch_fallback(args.fallback_src)
+    fb_prefill, fb_decode, fb_note = load_torch_fallback(None if child else args.fallback_src)
     import triton
 
     if CPU_SMOKE:
@@ -675,6 +654,7 @@ def main():
         cap = torch.cuda.get_device_capability()
         props = torch.cuda.get_device_properties(0)
         name, sms = props.name, props.multi_processor_count
+    mma_col = " ours mma.sync us |" if args.mma_sync else ""
     lines = [
         f"## Indexer logits: dsa-overlay Triton vs DeepGEMM vs vLLM 0.17.1 torch fallback",
         "",
@@ -683,28 +663,36 @@ def main():
         f"{triton.__version__}, vLLM {upstream.version}; GLM-5 indexer: {HEADS} heads, D={D}, "
         f"block size {BLOCK_SIZE}, clean_logits=False (as vLLM calls it).  Torch fallback: "
         f"{fb_note}.  Ours config: prefill {ours.prefill_config(cap, HEADS)}, "
-        f"decode {ours.decode_config(cap, HEADS, 1)}.",
+        f"decode {ours.decode_config(cap, HEADS, 1)}."
+        + (f"  {mma_note}." if args.mma_sync else ""),
         "",
-        "Times are GPU time per call, CUDA-graph replay (what serving under CUDA graphs sees; "
-        "'*' = not capturable, timed eagerly); 'ours eager' adds the Python launch overhead.  "
-        "speed = DeepGEMM time / ours (>= 0.7 is the target); vs torch = torch time / ours "
-        "(>= 10 is the target; the torch fallback runs eagerly).  err = max |x - fp64 reference| / max |reference| on sampled rows; "
-        "diff = the same between ours and DeepGEMM over visible positions; overlap = top-2048 set "
-        "overlap of ours and DeepGEMM.",
+        f"Timing by bench/timing.py ({args.reps} calls per graph, median of {args.replays} replays, "
+        f"launch = {args.launch_calls} back-to-back calls): graph us = GPU time per call by CUDA-graph "
+        "replay (what serving under CUDA graphs sees); eager us = one plain call (host launch + GPU, "
+        "what calls outside vLLM's graphs pay); launch us = host time to launch one call"
+        + ("; mma.sync = our default built for mma.sync (DISABLE_MMA_V3=1), graph time" if args.mma_sync else "")
+        + ".  speed = DeepGEMM graph time / ours (>= 0.7 is the target); vs torch = torch time / ours "
+        "(>= 10 is the target; the torch fallback runs eagerly).  err = max |x - fp64 reference| / max "
+        "|reference| on sampled rows; diff = the same between ours and DeepGEMM over visible positions; "
+        "overlap = top-2048 set overlap of ours and DeepGEMM.",
         "",
-        "| case | ours us | DeepGEMM us | speed | ours eager us | torch-0.17.1 us | vs torch | "
+        f"| case | ours graph us | ours eager us | ours launch us |{mma_col} DeepGEMM graph us | "
+        "DeepGEMM eager us | DeepGEMM launch us | speed | torch-0.17.1 us | vs torch | "
         "err ours | err DG | err torch | diff ours-DG | top-2048 overlap |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---" * (15 + bool(args.mma_sync)) + "|",
     ]
+    ncols = 15 + bool(args.mma_sync)
     if upstream.error:
         lines.insert(4, f"DeepGEMM unavailable: {upstream.error}")
 
+    child_times: dict = {}
     if args.focus:
         lines = lines[:4] + [
             "--focus: only the shapes below 0.7x DeepGEMM in the first H200 run, plus two small "
             "decode controls; every kernel variant is checked against DeepGEMM (sampled rows, "
             "visible positions; '!' = differs by > 1e-3 relative, i.e. wrong) and timed by "
-            "CUDA-graph replay with L2 flushed ('*' = eager).  'default' is what the launcher "
+            "CUDA-graph replay with L2 flushed; the default and DeepGEMM also eagerly and by host "
+            "launch time.  'default' is what the launcher "
             "picks today; the 'best' column names the fastest correct variant.  To change a "
             "default, edit _PREFILL_TABLE / _DECODE_TABLE (hopper rows) in "
             "overlay/kernels/indexer.py.  Decode variants: BN = key tile, ps = programs "
@@ -713,10 +701,13 @@ def main():
         if upstream.error:
             lines.append(f"DeepGEMM unavailable: {upstream.error}")
         try:
-            run_focus(args, upstream, g, lines)
+            run_focus(args, upstream, g, lines, timer, mma, child_times if child else None)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             lines.append(f"focus failed: {_err(e)}")
+        if child:
+            write_child_json(args.mma_sync_child, child_times)
+            return
         _write_report(lines, t_start, args.out)
         return
 
@@ -727,51 +718,57 @@ def main():
         prefill_cases, decode_cases = prefill_cases[:1], [(1, 4096, 1), (32, 16384, 2)]
     if CPU_SMOKE:
         prefill_cases, decode_cases = [(24, 2100)], [(2, 2176, 1), (3, 300, 2)]
-        args.reps = 1
 
     def emit(row):
-        o, d, t = row.get("ours_us"), row.get("dg_us"), row.get("torch_us")
-        speed = d / o if isinstance(d, float) and isinstance(o, float) else None
-        vs_t = t / o if isinstance(t, float) and isinstance(o, float) else None
-        star = lambda mode: "*" if mode == "eager" else ""  # noqa: E731
-        lines.append(
-            f"| {row['case']} | {fmt(o, 'us')}{star(row.get('ours_mode'))} | "
-            f"{fmt(d, 'us')}{star(row.get('dg_mode'))} | {fmt(speed, 'x')} | "
-            f"{fmt(row.get('ours_eager_us'), 'us')} | "
-            f"{fmt(t, 'us')} | {fmt(vs_t, 'x')} | {fmt(row.get('err_ours'), 'e')} | "
-            f"{fmt(row.get('err_dg'), 'e')} | {fmt(row.get('err_torch'), 'e')} | "
-            f"{fmt(row.get('diff'), 'e')} | {fmt(row.get('overlap'), '%')} |")
+        if child:
+            child_times[row["case"]] = rank_us(row["ours"])
+            return
+        o, d, t = row["ours"], row.get("dg"), row.get("torch_us")
+        o_us, d_us = rank_us(o), rank_us(d) if isinstance(d, Timing) else None
+        speed = d_us / o_us if d_us and o_us else None
+        vs_t = t / o_us if isinstance(t, float) and o_us else None
+        cells = o.cells(_fmt_us) + ([_fmt_us(mma.get(row["case"]))] if args.mma_sync else [])
+        cells += d.cells(_fmt_us) if isinstance(d, Timing) else [fmt(d), "", ""]
+        cells += [fmt(speed, "x"), _fmt_us(t), fmt(vs_t, "x"), fmt(row.get("err_ours"), "e"),
+                  fmt(row.get("err_dg"), "e"), fmt(row.get("err_torch"), "e"), fmt(row.get("diff"), "e"),
+                  fmt(row.get("overlap"), "%")]
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
+
+    def blank(case, why):
+        lines.append(f"| {case} | {why} |" + " |" * (ncols - 2))
 
     writer = None
     for M, N in prefill_cases:
         if time.time() > deadline:
-            lines.append(f"| prefill M={M} N={N} | skipped: --budget-s spent |" + " |" * 10)
+            blank(f"prefill M={M} N={N}", "skipped: --budget-s spent")
             continue
         try:
-            emit(run_prefill(M, N, upstream, fb_prefill, args.reps, g))
+            emit(run_prefill(M, N, upstream, fb_prefill, timer, g, child))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            lines.append(f"| prefill M={M} N={N} | failed: {_err(e)} |" + " |" * 10)
+            blank(f"prefill M={M} N={N}", f"failed: {_err(e)}")
         _empty_cache()
     for B, ctx, nn in decode_cases:
         if time.time() > deadline:
-            lines.append(f"| decode B={B} ctx={ctx} next_n={nn} | skipped: --budget-s spent |"
-                         + " |" * 10)
+            blank(f"decode B={B} ctx={ctx} next_n={nn}", "skipped: --budget-s spent")
             continue
         try:
-            row = run_decode(B, ctx, nn, upstream, fb_decode, args.reps, g)
+            row = run_decode(B, ctx, nn, upstream, fb_decode, timer, g, child)
             writer = row.get("writer", writer)
             emit(row)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            lines.append(f"| decode B={B} ctx={ctx} next_n={nn} | failed: {_err(e)} |" + " |" * 10)
+            blank(f"decode B={B} ctx={ctx} next_n={nn}", f"failed: {_err(e)}")
         _empty_cache()
+    if child:
+        write_child_json(args.mma_sync_child, child_times)
+        return
     lines += ["", f"Paged cache written by {writer}.  Table took {time.time() - t_start:.0f} s."]
 
     if not args.no_sweep and not args.quick and not CPU_SMOKE:
         try:
-            run_sweep(deadline, max(5, args.reps // 2), g, upstream, lines)
+            run_sweep(deadline, max(5, args.reps // 2), g, upstream, lines, timer)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             lines.append(f"sweep failed: {_err(e)}")

@@ -7,11 +7,10 @@ One process, one GPU, unattended; writes a markdown report to --out (default: st
     python bench/bench_sparse_mla.py --out $OUT/sparse_mla.md            # every shape + full sweep
     python bench/bench_sparse_mla.py --focus --out $OUT/sparse_mla_focus.md  # < 150 s: shapes that missed
         # a target in run 1 (+ T=1), heuristic vs the variants in sparse_mla.FOCUS_TILES, FlashMLA beside
+    python bench/bench_sparse_mla.py --focus --mma-sync --out ...   # + our kernel built for mma.sync
 
-Timing: every measured call follows a write of a 256 MB buffer (evicts L2, 50 MB on H200). R pairs
-(flush, call) are captured in one CUDA graph; the graph of R flushes alone is timed the same way and
-subtracted; per-call time = (t(graph flush+call) - t(graph flush)) / R, median of several replays. So
-the numbers are GPU time with a cold L2 and without Python launch overhead (vLLM decodes in CUDA graphs).
+Timing: bench/timing.py (graph = GPU time by CUDA-graph replay, eager = one plain call, launch = host time
+per call; L2 flushed before every graph and eager call). TB/s, TFLOP/s and "vs FlashMLA" use graph time.
 Effective TB/s counts gathered bytes only: T x topk x (1152 B bf16 | 656 B fp8_ds_mla), duplicates counted.
 TFLOP/s counts 2 x T x H x topk x (576 + 512). "vs FlashMLA" = FlashMLA time / our time (> 1: faster).
 """
@@ -23,6 +22,7 @@ import datetime
 import io
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -40,8 +40,10 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 DEVICE = "cpu" if SMOKE else "cuda"
 
+from bench.timing import (Timer, Timing, add_timing_args, mma_sync_column, rank_us,  # noqa: E402
+                          write_child_json)
 from overlay.kernels import sparse_mla as SM  # noqa: E402
-from tests.kernels._fp8_ds_mla import quantize_fp8_ds_mla  # noqa: E402
+from tools.fp8_ds_mla_codec import quantize_fp8_ds_mla  # noqa: E402
 
 BYTES_PER_TOKEN = {"bf16": 1152, "fp8_ds_mla": 656}
 NUM_SLOTS = 262144
@@ -59,27 +61,32 @@ SWEEP_TILES = {
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 # --focus: the shapes that missed a target in the first H200 run (bench/results/h200-sparse_mla-run1.md)
-# plus T = 1 at H = 64; (fmt, T, H, prefill). RUN1 holds that run's heuristic and best-of-sweep times.
+# plus T = 1 at H = 64; (fmt, T, H, prefill). Each config's time in that run comes from the report itself
+# (--baseline), never from numbers kept here.
 FOCUS_SHAPES = [("bf16", 128, 128, False), ("bf16", 4096, 64, True), ("bf16", 128, 64, False),
                 ("fp8_ds_mla", 128, 64, False), ("bf16", 1, 64, False), ("fp8_ds_mla", 1, 64, False),
                 ("fp8_ds_mla", 1, 8, False), ("bf16", 32, 64, False), ("bf16", 128, 16, False),
                 ("fp8_ds_mla", 32, 16, False), ("fp8_ds_mla", 128, 16, False),
                 ("bf16", 8, 64, False), ("bf16", 128, 8, False)]
-RUN1 = {  # label: (run-1 heuristic config, us, run-1 best-of-sweep config, us)
-    "bf16 T=1 H=64": ("h64n32s64w8p2", 19.3, "h16n64s32w8p2", 12.9),
-    "fp8_ds_mla T=1 H=64": ("h64n32s64w8p2", 20.9, "h16n64s32w8p2", 16.7),
-    "fp8_ds_mla T=1 H=8": ("h16n64s32w8p2", 15.3, "h16n64s32w8p2", 15.3),
-    "bf16 T=128 H=16": ("h16n64s1w8p2", 135.9, "h16n64s2w4p2", 99.8),
-    "bf16 T=128 H=8": ("h16n64s1w8p2", 136.0, "h16n64s2w4p2", 97.1),
-    "bf16 T=8 H=64": ("h64n32s16w8p2", 28.8, "h64n64s16w8p3", 26.3),
-    "fp8_ds_mla T=32 H=16": ("h16n64s4w8p2", 65.8, "h16n32s8w4p2", 57.8),
-    "fp8_ds_mla T=128 H=16": ("h16n64s1w8p2", 214.7, "h16n32s2w4p2", 186.1),
-    "bf16 T=32 H=64": ("h64n32s4w8p2", 79.5, "h64n64s4w8p3", 62.6),
-    "bf16 T=128 H=64": ("h64n32s1w8p2", 252.5, "h64n64s1w8p3", 183.7),
-    "fp8_ds_mla T=128 H=64": ("h64n32s1w8p2", 283.4, "h64n64s1w8p3", 208.1),
-    "bf16 T=128 H=128": ("h64n32s1w8p2", 479.7, "h64n64s1w8p3", 344.6),
-    "bf16 T=4096 H=64 (prefill)": ("h64n32s1w8p2", 7788.5, "h64n64s1w8p3", 5392.0),
-}
+BASELINE = os.path.join(ROOT, "bench", "results", "h200-sparse_mla-run1.md")
+
+
+def load_baseline(path: str) -> dict[str, dict[str, float]]:
+    """{shape label: {config string: us}} from the sweep table of an earlier report of this script
+    (rows `| <label> | <config>: <us>, ... |`); {} when the file is missing."""
+    if not path or not os.path.exists(path):
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    in_sweep = False
+    for line in open(path):
+        if line.startswith("## "):
+            in_sweep = line.startswith("## Sweep")
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        found = re.findall(r"(h\d+n\d+s\d+w\d+p\d+(?:d\d+)?f?): ([0-9.]+)", cells[-1]) if in_sweep else []
+        if len(cells) == 2 and found:
+            out[cells[0]] = {cfg: float(us) for cfg, us in found}
+    return out
 
 
 def describe(cfg) -> str:
@@ -112,79 +119,8 @@ def focus_configs(fmt, T, H, topk, sm_count, heuristic, prefill):
 
 
 # ----------------------------------------------------------------------------------------------------
-# timing
+# copy bandwidth (the yardstick of the memory-bound targets)
 # ----------------------------------------------------------------------------------------------------
-def sync():
-    if not SMOKE:
-        torch.cuda.synchronize()
-
-
-class SmokeTimer:
-    """--cpu-smoke stand-in for Timer: wall time of one call, no flush, no graphs."""
-
-    def __init__(self, *_):
-        pass
-
-    def time_us(self, fn, reps=None):
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-
-
-class Timer:
-    def __init__(self, reps: int, replays: int):
-        self.reps, self.replays = reps, replays
-        self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
-        self._flush_us: dict[int, float] = {}
-
-    def flush(self):
-        self.flush_buf.fill_(1)
-
-    def _graph(self, fn, reps):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()  # warm-up on the capture stream (allocator pools, lazy inits)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                self.flush()
-                fn()
-        return g
-
-    def _replay_us(self, g) -> float:
-        times = []
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        g.replay()
-        torch.cuda.synchronize()
-        for _ in range(self.replays):
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000.0)
-        return statistics.median(times)
-
-    def flush_us(self, reps) -> float:
-        if reps not in self._flush_us:
-            g = self._graph(lambda: None, reps)
-            self._flush_us[reps] = self._replay_us(g)
-            del g
-        return self._flush_us[reps]
-
-    def time_us(self, fn, reps: int | None = None) -> float:
-        reps = reps or self.reps
-        fn()
-        torch.cuda.synchronize()
-        g = self._graph(fn, reps)
-        total = self._replay_us(g)
-        del g
-        return max(0.0, (total - self.flush_us(reps)) / reps)
-
-
 def copy_bandwidth_tbps() -> float:
     if SMOKE:
         return float("nan")
@@ -292,7 +228,7 @@ def sweep_configs(fmt, T, H, topk, sm_count, heuristic, prefill):
         for s in (1,) if prefill else SPLITS:
             if s > n_tiles or (s > 1 and T * groups * s > 4 * sm_count):
                 continue
-            c = SM.SparseMLAConfig(bh, bn, s, nw, ns)
+            c = SM.SparseMLAConfig(block_h=bh, block_n=bn, num_splits=s, num_warps=nw, num_stages=ns)
             if c not in seen:
                 seen.add(c)
                 out.append(c)
@@ -316,27 +252,34 @@ def main():
                     help="also time every candidate config per shape (default: full)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill-like shape")
     ap.add_argument("--prefill-tokens", type=int, default=4096, help="T of the prefill-like shape (H=64)")
-    ap.add_argument("--reps", type=int, default=20, help="(flush, call) pairs per CUDA graph")
-    ap.add_argument("--replays", type=int, default=5)
+    add_timing_args(ap, reps=20)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop sweeping (keep heuristic + FlashMLA rows) once this much time has passed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--focus", action="store_true",
                     help="only the shapes that missed a target in run 1 (+ T=1), timing the heuristic and the "
                          "kernel variants under evaluation (sparse_mla.FOCUS_TILES); < 150 s on an H200")
+    ap.add_argument("--baseline", default=None,
+                    help="an earlier full report of this script; --focus shows each config's time there "
+                         "(default: bench/results/h200-sparse_mla-run1.md)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes on the CPU via TRITON_INTERPRET=1 (checks the script, not the GPU)")
     args = ap.parse_args()
     if args.budget_s is None:
         args.budget_s = 120.0 if args.focus else 300.0
+    child = args.mma_sync_child is not None
+
+    mma, mma_note = mma_sync_column(args, __file__)
 
     t_start = time.time()
     global NUM_SLOTS, FLUSH_BYTES
     if SMOKE:
-        from tests.kernels._interp import numpy24_fix
+        from tools.triton_interp import numpy24_fix
 
         numpy24_fix()
         NUM_SLOTS, FLUSH_BYTES = 1024, 1 << 20
+        # one call per column: the interpreter takes seconds per call
+        args.reps, args.replays, args.launch_calls, args.topk = 1, 1, 1, min(args.topk, 256)
         dev_name, cap, sm_count, mem_gib = "CPU (Triton interpreter smoke run)", (9, 0), 132, 0
     else:
         assert torch.cuda.is_available(), "needs a CUDA GPU (or --cpu-smoke)"
@@ -347,7 +290,7 @@ def main():
         dev_name, mem_gib = props.name, props.total_memory / 2**30
     import triton
 
-    F, flash_err = load_flashmla()
+    F, flash_err = (None, "not timed in the mma.sync child") if child else load_flashmla()
     try:
         import vllm
 
@@ -355,27 +298,9 @@ def main():
     except Exception:  # noqa: BLE001
         vllm_ver = "not importable"
 
-    rep = io.StringIO()
-    w = rep.write
-    w(f"# Sparse MLA attention benchmark\n\n")
-    w(f"- date: {datetime.datetime.now().isoformat(timespec='minutes')}\n")
-    w(f"- device: {dev_name}, sm_{cap[0]}{cap[1]}, {sm_count} SMs, {mem_gib:.0f} GiB\n")
-    w(f"- torch {torch.__version__}, triton {triton.__version__}, vLLM {vllm_ver}"
-      f"{'' if F else f' (FlashMLA: {flash_err})'}\n")
-    w(f"- KV pool {NUM_SLOTS} slots (block size {BLOCK_SIZE}), topk {args.topk}, random slot ids (duplicates "
-      f"possible, none removed), L2 flushed by a {FLUSH_BYTES >> 20} MB write before every timed call, "
-      f"CUDA-graph timing ({args.reps} calls per graph, median of {args.replays} replays)\n")
-    bw = copy_bandwidth_tbps()
-    w(f"- device copy bandwidth (1 GiB copy, read+write): **{bw:.2f} TB/s**\n")
-    w(f"- command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`\n\n")
-    w("Columns: us = GPU time per call; TB/s = gathered bytes / time; vs FlashMLA = FlashMLA time / ours "
-      "(> 1 means faster); err = max|out - ref| / max|ref| against the float32 torch reference.\n"
-      "Targets (issue 3): decode H <= 64: ours <= FlashMLA in the same format, and T = 1 under 15 us; "
-      "memory-bound shapes (H <= 64, gathered >= 64 MB): >= 80% of the copy bandwidth; H = 128, T = 128: "
-      ">= 0.7x FlashMLA; prefill T = 4096, H = 64: >= 0.6x FlashMLA sparse prefill.\n\n")
-
+    bw = float("nan") if child else copy_bandwidth_tbps()
     pools = make_pools(args.seed)
-    timer = SmokeTimer() if SMOKE else Timer(args.reps, args.replays)
+    timer = Timer(DEVICE, args.reps, args.replays, args.launch_calls, flush_bytes=FLUSH_BYTES)
     formats = args.formats.split(",")
     heads = [int(x) for x in args.heads.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -386,9 +311,10 @@ def main():
         shapes = [(f, (args.prefill_tokens if p else T), H, p) for f, T, H, p in FOCUS_SHAPES if f in formats]
         if SMOKE:
             shapes = [(f, min(T, 4), H, p) for f, T, H, p in shapes]
-    focus_rows = []
+    baseline_path = args.baseline or (BASELINE if args.focus else None)
+    baseline = load_baseline(baseline_path) if args.focus else {}
 
-    main_rows, sweep_rows, summary = [], [], []
+    focus_rows, main_rows, sweep_rows, child_times = [], [], [], {}
     g = torch.Generator(device=DEVICE).manual_seed(args.seed + 1)
     for fmt, T, H, prefill in shapes:
         topk = args.topk
@@ -399,9 +325,24 @@ def main():
         gathered = T * topk * BYTES_PER_TOKEN[fmt]
         flops = 2.0 * T * H * topk * (576 + 512)
         reps = max(2, args.reps // 8) if prefill else args.reps
+        label = f"{fmt} T={T} H={H}{' (prefill)' if prefill else ''}"
+        out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=DEVICE)
+        lse = torch.empty(T, H, dtype=torch.float32, device=DEVICE)
+
+        def ours(cfg):
+            return lambda: SM.sparse_mla_attention(q, cache, idx, scale, fmt, out=out, lse=lse, config=cfg)
+
+        heur = SM.choose_config(T, H, topk, fmt, sm_count=sm_count, capability=cap)
+        if child:  # the mma.sync build: our heuristic's time only
+            try:
+                child_times[label] = rank_us(timer.measure(ours(heur), reps, eager=not timer.cuda, launch=False))
+            except Exception as e:  # noqa: BLE001
+                print(f"{label}: {type(e).__name__}: {e}", file=sys.stderr)
+            del q, idx, out, lse
+            continue
+
         nref = min(T, 256)
         ref_o, _ = SM.sparse_mla_reference(q[:nref], cache, idx[:nref], scale, fmt)
-        label = f"{fmt} T={T} H={H}{' (prefill)' if prefill else ''}"
 
         def perf(us):
             if us is None or us <= 0:
@@ -409,37 +350,32 @@ def main():
             return f"{gathered / us / 1e6:.2f}", f"{flops / us / 1e6:.1f}"
 
         # FlashMLA
-        flash_us, flash_note = None, ""
+        flash, flash_note = Timing(), ""
         if F is not None:
             try:
                 run = flashmla_call(F, fmt, q, cache, idx, scale, one_sequence=prefill)
                 err = rel_err(run()[:nref], ref_o)
-                flash_us = timer.time_us(run, reps)
+                flash = timer.measure(run, reps)
                 flash_note = f"{err:.1e}"
             except Exception as e:  # noqa: BLE001
                 flash_note = f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         else:
             flash_note = f"ERROR {flash_err}"
+        flash_us = rank_us(flash)
 
-        out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=DEVICE)
-        lse = torch.empty(T, H, dtype=torch.float32, device=DEVICE)
-
-        def ours(cfg):
-            return lambda: SM.sparse_mla_attention(q, cache, idx, scale, fmt, out=out, lse=lse, config=cfg)
-
-        def measure(cfg):
+        def measure(cfg, full=False):
+            """(Timing, err, note): every column when `full`, else the ranking time only."""
             try:
                 out.fill_(float("nan"))
                 ours(cfg)()
                 err = rel_err(out[:nref], ref_o)
-                us = timer.time_us(ours(cfg), reps)
-                return us, err, ""
+                t = timer.measure(ours(cfg), reps, eager=full or not timer.cuda, launch=full)
+                return t, err, t.note
             except Exception as e:  # noqa: BLE001
-                return None, float("nan"), f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+                return Timing(), float("nan"), f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
 
-        heur = SM.choose_config(T, H, topk, fmt, sm_count=sm_count, capability=cap)
-        h_us, h_err, h_note = measure(heur)
-        results = [(heur, h_us, h_err, h_note)]
+        h_t, h_err, h_note = measure(heur, full=True)
+        results = [(heur, h_t, h_err, h_note)]
         if (args.sweep == "full" or args.focus) and time.time() - t_start < args.budget_s:
             cands = (focus_configs(fmt, T, H, topk, sm_count, heur, prefill) if args.focus
                      else sweep_configs(fmt, T, H, topk, sm_count, heur, prefill))
@@ -447,26 +383,25 @@ def main():
                 if cfg == heur:
                     continue
                 if time.time() - t_start > args.budget_s:
-                    results.append((cfg, None, float("nan"), "skipped: time budget"))
+                    results.append((cfg, Timing(), float("nan"), "skipped: time budget"))
                     break
                 results.append((cfg, *measure(cfg)))
-        timed = [r for r in results if r[1] is not None and not math.isnan(r[2]) and r[2] < 2e-2]
-        best = min(timed, key=lambda r: r[1]) if timed else None
+        timed = [r for r in results if rank_us(r[1]) is not None and not math.isnan(r[2]) and r[2] < 2e-2]
+        best = min(timed, key=lambda r: rank_us(r[1])) if timed else None
+        if best is not None and best[0] != heur:  # the eager and launch columns of the winner too
+            try:
+                more = timer.measure(ours(best[0]), reps, graph=False)
+                best = (best[0], Timing(best[1].graph_us, more.eager_us, more.launch_us, best[1].note), *best[2:])
+            except Exception:  # noqa: BLE001 - its graph time stands alone
+                pass
 
-        # torch gather reference (eager, L2 not flushed; informative only)
-        ref_us = None
+        # torch gather reference (eager, informative only)
+        ref_t = Timing()
         if not prefill and not args.focus:
             try:
-                fn = lambda: SM.sparse_mla_reference(q, cache, idx, scale, fmt)  # noqa: E731
-                fn()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    fn()
-                sync()
-                ref_us = (time.perf_counter() - t0) / 3 * 1e6
+                ref_t = Timing(eager_us=timer.eager_us(lambda: SM.sparse_mla_reference(q, cache, idx, scale, fmt), 3))
             except Exception:  # noqa: BLE001
-                ref_us = None
+                pass
 
         def verdict(us):
             if us is None:
@@ -490,75 +425,99 @@ def main():
                 notes.append(vs(0.7) + " (>=0.7x FlashMLA)")
             return ", ".join(notes) if notes else "-"
 
-        def row(impl, cfg, us, err, note=""):
+        def err_cell(err, note):
+            return note or (f"{err:.1e}" if err == err else "-")
+
+        def row(impl, cfg, t: Timing, mma_us, err_or_note):
+            us = rank_us(t)
             tb, tf = perf(us)
             ratio = f"{flash_us / us:.2f}" if flash_us and us else "-"
-            main_rows.append(f"| {label} | {impl} | {cfg} | {fmt_us(us)} | {tb} | {tf} | {ratio} | "
-                             f"{note or (f'{err:.1e}' if err == err else '-')} | "
-                             f"{verdict(us) if impl.startswith('ours') else '-'} |")
+            cols = t.cells(fmt_us) + ([fmt_us(mma_us)] if args.mma_sync else [])
+            main_rows.append(f"| {label} | {impl} | {cfg} | {' | '.join(cols)} | {tb} | {tf} | {ratio} | "
+                             f"{err_or_note} | {verdict(us) if impl.startswith('ours') else '-'} |")
 
-        row("ours (heuristic)", str(heur), h_us, h_err, h_note)
+        row("ours (heuristic)", str(heur), h_t, mma.get(label), err_cell(h_err, h_note))
         if best is not None:
-            row("ours (best of sweep)", str(best[0]), best[1], best[2])
-        tb, tf = perf(flash_us)
-        main_rows.append(f"| {label} | FlashMLA | {'decode fp8' if fmt != 'bf16' else 'sparse_fwd'} "
-                         f"(heads padded to {64 if H <= 64 else 128}) | {fmt_us(flash_us)} | {tb} | {tf} | 1.00 | "
-                         f"{flash_note} | - |" if flash_us else
-                         f"| {label} | FlashMLA | - | - | - | - | - | {flash_note} | - |")
-        if not prefill:
-            tb, tf = perf(ref_us)
-            main_rows.append(f"| {label} | torch reference (fp32, eager, warm L2) | - | {fmt_us(ref_us)} | {tb} | "
-                             f"{tf} | - | 0 | - |")
-        ordered = sorted(results, key=lambda r: (r[1] is None, r[1] or 0))
+            row("ours (best of sweep)", str(best[0]), best[1], None, err_cell(best[2], ""))
+        row("FlashMLA", (f"{'decode fp8' if fmt != 'bf16' else 'sparse_fwd'} (heads padded to "
+                         f"{64 if H <= 64 else 128})") if flash_us else "-", flash, None, flash_note)
+        if not prefill and not args.focus:
+            row("torch reference (fp32)", "-", ref_t, None, "0")
+        ordered = sorted(results, key=lambda r: (rank_us(r[1]) is None, rank_us(r[1]) or 0))
         sweep_rows.append(f"| {label} | " + ", ".join(
-            f"{c}: {fmt_us(us)}{'' if (us is None or (err == err and err < 2e-2)) else f' (err {err:.1e})'}"
-            f"{' ' + note if note and us is None else ''}" for c, us, err, note in ordered) + " |")
-        summary.append((label, h_us, best[1] if best else None, flash_us))
+            f"{c}: {fmt_us(rank_us(t))}{'' if (rank_us(t) is None or (err == err and err < 2e-2)) else f' (err {err:.1e})'}"
+            f"{' ' + note if note and rank_us(t) is None else ''}" for c, t, err, note in ordered) + " |")
         if args.focus:
-            r1 = RUN1.get(label)
-            for c, us, err, note in sorted(results, key=lambda r: (r[1] is None, r[1] or 0)):
+            base = baseline.get(label, {})
+            base_best = min(base.values()) if base else None
+            for c, t, err, note in ordered:
+                us = rank_us(t)
                 tb, tf = perf(us)
                 ratio = f"{flash_us / us:.2f}" if flash_us and us else "-"
-                run1 = "-"
-                if r1 and str(c) == r1[2]:
-                    run1 = f"{r1[3]:.1f} (run-1 best)"
-                elif r1 and str(c) == r1[0]:
-                    run1 = f"{r1[1]:.1f} (run-1 heuristic)"
+                b = base.get(str(c))
+                was = "-" if b is None else f"{b:.1f}{' (best there)' if b == base_best else ''}"
                 focus_rows.append(
-                    f"| {label} | {c}{' **(heuristic)**' if c == heur else ''} | {describe(c)} | {fmt_us(us)} | "
-                    f"{tb} | {tf} | {ratio} | {fmt_us(flash_us)} | {run1} | "
-                    f"{note or (f'{err:.1e}' if err == err else '-')} | {verdict(us) if us else '-'} |")
-        print(f"[{time.time() - t_start:6.1f}s] {label}: ours {fmt_us(h_us)} us (best {fmt_us(best[1] if best else None)}"
-              f" {best[0] if best else ''}), FlashMLA {fmt_us(flash_us)} us {flash_note if not flash_us else ''}",
-              file=sys.stderr, flush=True)
+                    f"| {label} | {c}{' **(heuristic)**' if c == heur else ''} | {describe(c)} | "
+                    f"{' | '.join(t.cells(fmt_us))} | {tb} | {tf} | {ratio} | {fmt_us(flash_us)} | {was} | "
+                    f"{err_cell(err, note)} | {verdict(us) if us else '-'} |")
+        print(f"[{time.time() - t_start:6.1f}s] {label}: ours graph/eager/launch "
+              f"{'/'.join(h_t.cells(fmt_us))} us (best {fmt_us(rank_us(best[1]) if best else None)}"
+              f" {best[0] if best else ''}), FlashMLA {'/'.join(flash.cells(fmt_us))} us "
+              f"{flash_note if not flash_us else ''}", file=sys.stderr, flush=True)
         del q, idx, out, lse, ref_o
         if not SMOKE:
             torch.cuda.empty_cache()
 
+    if child:
+        write_child_json(args.mma_sync_child, child_times)
+        return
+    rep = io.StringIO()
+    w = rep.write
+    w("# Sparse MLA attention benchmark\n\n")
+    w(f"- date: {datetime.datetime.now().isoformat(timespec='minutes')}\n")
+    w(f"- device: {dev_name}, sm_{cap[0]}{cap[1]}, {sm_count} SMs, {mem_gib:.0f} GiB\n")
+    w(f"- torch {torch.__version__}, triton {triton.__version__}, vLLM {vllm_ver}"
+      f"{'' if F else f' (FlashMLA: {flash_err})'}\n")
+    w(f"- KV pool {NUM_SLOTS} slots (block size {BLOCK_SIZE}), topk {args.topk}, random slot ids (duplicates "
+      f"possible, none removed); timing by bench/timing.py: L2 flushed by a {FLUSH_BYTES >> 20} MB write "
+      f"before every graph and eager call, {args.reps} calls per graph (prefill: {max(2, args.reps // 8)}), "
+      f"median of {args.replays} replays; launch = {args.launch_calls} back-to-back calls\n")
+    w(f"- device copy bandwidth (1 GiB copy, read+write): **{bw:.2f} TB/s**\n")
+    if args.mma_sync:
+        w(f"- {mma_note}\n")
+    w(f"- command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`\n\n")
+    w("Columns: graph us = GPU time per call by CUDA-graph replay; eager us = one plain call (host launch "
+      "+ GPU, what calls outside vLLM's graphs pay); launch us = host time to launch one call"
+      f"{'; mma.sync us = our heuristic built for mma.sync (DISABLE_MMA_V3=1), graph time' if args.mma_sync else ''}"
+      "; TB/s = gathered bytes / graph time; vs FlashMLA = FlashMLA graph time / ours "
+      "(> 1 means faster); err = max|out - ref| / max|ref| against the float32 torch reference.\n"
+      "Targets (issue 3): decode H <= 64: ours <= FlashMLA in the same format, and T = 1 under 15 us; "
+      "memory-bound shapes (H <= 64, gathered >= 64 MB): >= 80% of the copy bandwidth; H = 128, T = 128: "
+      ">= 0.7x FlashMLA; prefill T = 4096, H = 64: >= 0.6x FlashMLA sparse prefill.\n\n")
     if args.focus:
         w("## Focus: kernel variants on the shapes that missed a target in run 1\n\n"
           "Every row is one launch configuration of our kernel on one shape, fastest first within a shape. "
-          "`(heuristic)` marks what `choose_config` picks now (run 2's heuristic). Config string: "
+          "`(heuristic)` marks what `choose_config` picks now; its eager and launch columns are measured, "
+          "the variants' only by graph. Config string: "
           "h<heads per program>n<KV rows per iteration>s<top-k splits>w<warps>p<pipeline stages>, then "
           "`d2` = the 512 value columns split over 2 programs (each recomputes the scores, half the fp32 "
           "accumulator), `f` = fp8 tile scales applied to the scores/P after/before the dots instead of "
-          "dequantising the tile. run 1 = the same config's time in bench/results/h200-sparse_mla-run1.md "
-          "(if it was timed there). The split merge (every config with s > 1) is one pass now (run 1: two "
-          "loops over chunks of 8 splits); up to 16 splits it keeps run 1's layout (one program per "
-          "(token, head) row over 512 columns, splits reduced inside each thread), so a config with "
-          "2 <= s <= 16 should be no slower than its run-1 time (runs 2-3 merged 4-32 x 128-column tiles "
-          "with 4 programs per row and a shared-memory reduction: ~11 ns more per row); above 16 splits "
-          "it is runs 2-3's 32 x 128 merge (their batch-1 gain). vs FlashMLA = FlashMLA us / ours (> 1: ours faster). A variant that "
+          f"dequantising the tile. baseline us = the same config's time in "
+          f"{os.path.relpath(baseline_path, ROOT) if baseline_path else 'no baseline'} "
+          f"({'not found' if not baseline else 'if it was timed there'}). "
+          "vs FlashMLA = FlashMLA us / ours (> 1: ours faster). A variant that "
           "beats the heuristic by > 3% on a shape class should replace that table entry in "
           "overlay/kernels/sparse_mla.py (_TILE_TABLE / _LATENCY_TILE); every FOCUS_TILES entry is "
           "already cross-compiled for sm_90 without spills by the CPU tests.\n\n"
-          "| shape | config | what | us | TB/s | TFLOP/s | vs FlashMLA | FlashMLA us | run 1 us | err | "
-          "target met? |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+          "| shape | config | what | graph us | eager us | launch us | TB/s | TFLOP/s | vs FlashMLA | "
+          "FlashMLA us | baseline us | err | target met? |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         w("\n".join(focus_rows) + "\n\n")
-    w("## Results\n\n| shape | impl | config | us | TB/s | TFLOP/s | vs FlashMLA | err | target met? |\n")
-    w("|---|---|---|---|---|---|---|---|---|\n")
+    mma_head = " mma.sync us |" if args.mma_sync else ""
+    w(f"## Results\n\n| shape | impl | config | graph us | eager us | launch us |{mma_head} TB/s | TFLOP/s | "
+      "vs FlashMLA | err | target met? |\n")
+    w("|---" * (11 + bool(args.mma_sync)) + "|\n")
     w("\n".join(main_rows) + "\n\n")
-    w("## Sweep (every candidate config per shape, fastest first; config = "
+    w("## Sweep (every candidate config per shape, fastest first, graph us; config = "
       "h<block_h>n<block_n>s<num_splits>w<num_warps>p<num_stages>)\n\n| shape | config: us |\n|---|---|\n")
     w("\n".join(sweep_rows) + "\n\n")
     w(f"Total benchmark wall time: {time.time() - t_start:.0f} s\n")

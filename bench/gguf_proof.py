@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")   # FACTS: flashinfer is not staged
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")   # the staged vLLM carries no flashinfer
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 FLOOR_FACTOR = 1.5
 
@@ -224,8 +224,7 @@ def main() -> int:
     results["verdicts"] = {}
     lines += ["", "Noise floor: `safetensors-chunk512` is the same checkpoint with 512-token prefill chunks "
               "(bf16 arithmetic reordered, nothing else); on this tiny random model such a change alone "
-              "moves greedy tokens (bench/RESULTS.md, issue 6), so a GGUF run is judged against it: BF16 "
-              "passes with TF "
+              "moves greedy tokens (bench/RESULTS.md), so a GGUF run is judged against it: BF16 passes with TF "
               f"mean |dlogprob| <= {FLOOR_FACTOR} x the floor's and top-1 >= the floor's - 0.02; the "
               "quantized files are reported (their weights differ by design).", ""]
     for name in ("gguf-BF16", "gguf-BF16-hf-config-path"):

@@ -39,17 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 TOP = ("overlay", "dsa_installer", "patches", "tests", "bench", "tools", ".ci")
 CODE_DIRS = ("dsa_installer", "overlay", "tools", "bench", "tests")
 EXTENSIONS = ("py", "md", "toml", "diff", "json", "sh", "txt", "cfg", "yaml", "yml", "csv")
-PATH = re.compile(r"(?<![\w./~$@:<>-])((?:[\w.<>{}*-]+/)+[\w.<>{}*-]*)")
+PATH = re.compile(r"(?<![\w./~$@:<>+-])((?:[\w.<>{}*+-]+/)+[\w.<>{}*+-]*)")
 BARE_MD = re.compile(r"(?<![\w./~$@:-])([A-Z][A-Z0-9_]*\.md)\b")
 PLACEHOLDER = re.compile(r"<[^>]*>|\{[^}]*\}|\bX\b|\bVERSION\b|\.\.\.|^[a-z](?=\.\w+$|$)")
 
-# Dead references that other branches fix (kernels/selftest.py ships with the GPU self-test); to be fixed
-# by the lead at merge, then this set is emptied. (citing file, cited path)
-KNOWN_DEAD = {
-    ("ARCHITECTURE.md", "tests/gpu/"),  # the gpu tests carry the `gpu` marker; there is no tests/gpu/
-    ("ARCHITECTURE.md", "tests/kernels/conftest.py"),
-    ("bench/e2e_proof.py", "tests/backend/vllm_stage.py"),  # deleted
-}
 
 
 def markdown_prose(path: Path) -> list[tuple[int, str]]:
@@ -160,8 +153,7 @@ def dead_references(vllm_packages) -> set[tuple[str, str]]:
 
 def test_every_cited_path_exists(vllm_packages):
     dead = dead_references(vllm_packages)
-    assert sorted(dead - KNOWN_DEAD) == [], "cited paths that do not exist (citing file, path)"
-    assert sorted(KNOWN_DEAD - dead) == [], "fixed: remove these from KNOWN_DEAD"
+    assert sorted(dead) == [], "cited paths that do not exist (citing file, path)"
 
 
 def test_the_checker_on_a_made_up_text(vllm_packages):

@@ -21,7 +21,7 @@ import pytest
 
 from tests import vllm_envs
 
-KERNEL_TESTS = Path(__file__).resolve().parents[1] / "kernels"  # shared interpreter fix and fp8_ds_mla codec
+TOOLS = Path(__file__).resolve().parents[2] / "tools"  # shared interpreter fix and fp8_ds_mla codec
 
 
 @pytest.fixture(scope="module", params=["0.23.0"])
@@ -32,7 +32,7 @@ def staged(request, tmp_path_factory):
 def run_json(staged, code, timeout=600):
     python, root, env = staged
     env = dict(env, TRITON_INTERPRET="1")
-    prelude = PRELUDE.replace("@KERNEL_TESTS@", str(KERNEL_TESTS))
+    prelude = PRELUDE.replace("@TOOLS@", str(TOOLS))
     proc = subprocess.run([str(python), "-c", textwrap.dedent(prelude + code)], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=str(root))
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -46,15 +46,15 @@ import torch
 import importlib.util, sys
 
 def _load(name, path):
-    # the repository's own test helpers, by path (the venv's site-packages may hold an unrelated `tests`)
+    # the repository's shared helpers (tools/), by path (the venv's site-packages may hold an unrelated `tests`)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
-_load("_dsa_interp", "@KERNEL_TESTS@/_interp.py").numpy24_fix()
-quantize_fp8_ds_mla = _load("_dsa_fp8_codec", "@KERNEL_TESTS@/_fp8_ds_mla.py").quantize_fp8_ds_mla
+_load("_dsa_interp", "@TOOLS@/triton_interp.py").numpy24_fix()
+quantize_fp8_ds_mla = _load("_dsa_fp8_codec", "@TOOLS@/fp8_ds_mla_codec.py").quantize_fp8_ds_mla
 
 BS = 64
 

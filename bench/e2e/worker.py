@@ -1,0 +1,155 @@
+"""One vLLM engine, in its own process (bench/e2e_proof.py --worker SPEC): greedy steps, teacher-forced
+prompt_logprobs (with per-layer dumps of the indexer's top-k and the attention output), decode tokens/s;
+every vendor DSA entry point and every Triton kernel entry point counted (vendor ones raise on the
+portable path). Returns one JSON-able dict; imports vLLM only inside worker()."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .plan import GREEDY_STEPS, TPS_BATCH, TRITON_ENTRY_POINTS, VENDOR_ENTRY_POINTS
+
+
+def _instrument(modules: dict, counts: dict, raise_on_call: bool):
+    import importlib
+
+    for mod_name, names in modules.items():
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception as e:  # noqa: BLE001
+            counts[f"{mod_name} (import failed: {type(e).__name__})"] = 0
+            continue
+        for name in names:
+            fn = getattr(mod, name, None)
+            if fn is None:
+                continue
+            key = f"{mod_name.rsplit('.', 1)[-1]}.{name}"
+            counts.setdefault(key, 0)
+
+            def wrapper(*args, __fn=fn, __key=key, **kwargs):
+                counts[__key] += 1
+                if raise_on_call:
+                    raise RuntimeError(f"vendor kernel {__key} called on the portable path")
+                return __fn(*args, **kwargs)
+
+            setattr(mod, name, wrapper)
+
+
+class _Dumper:
+    """Records, per attention call of the teacher-forced pass, the indexer's top-k rows (request-local
+    positions, before any slot conversion) and the attention output handed to W_UV."""
+
+    def __init__(self):
+        self.on = False
+        self.calls: list = []
+
+    def wrap(self, cls):
+        orig = cls.forward_mqa
+        dumper = self
+
+        def forward_mqa(impl, q, kv_cache, attn_metadata, layer):
+            out, lse = orig(impl, q, kv_cache, attn_metadata, layer)
+            if dumper.on:
+                n = out.shape[0]
+                dumper.calls.append({
+                    "layer": str(getattr(layer, "layer_name", "?")),
+                    "topk": impl.topk_indices_buffer[:n].to("cpu", copy=True),
+                    "out": out[:n].to("cpu", copy=True),
+                })
+            return out, lse
+
+        cls.forward_mqa = forward_mqa
+
+
+def _top5(logprobs: dict) -> list:
+    """The five most likely token ids of one position of vLLM's logprobs output."""
+    return sorted(logprobs, key=lambda k: -logprobs[k].logprob)[:5]
+
+
+def worker(spec: dict) -> dict:
+    path = spec["path"]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: patches apply
+    os.environ["DSA_OVERLAY_PORTABLE"] = "1" if path == "triton" else "0"
+    os.environ["DSA_OVERLAY_INDEXER"] = "triton" if path == "idx_triton" else "auto"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vendor_calls: dict = {}
+    triton_calls: dict = {}
+    _instrument(VENDOR_ENTRY_POINTS, vendor_calls, raise_on_call=path == "triton")
+    _instrument(TRITON_ENTRY_POINTS, triton_calls, raise_on_call=False)
+    dumper = _Dumper()
+    if spec.get("dump_path"):
+        from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+
+        dumper.wrap(FlashMLASparseImpl)
+        try:
+            from vllm._dsa_overlay.triton_mla_sparse import TritonMLASparseImpl
+
+            dumper.wrap(TritonMLASparseImpl)
+        except ImportError:  # an upstream-only tree
+            pass
+
+    kwargs = dict(
+        model=spec["model_dir"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+        max_model_len=1024, max_num_seqs=TPS_BATCH, max_num_batched_tokens=spec.get("chunk", 256),
+        gpu_memory_utilization=spec.get("mem", 0.5), kv_cache_dtype=spec["kv"],
+        enable_prefix_caching=False,
+    )
+    if path == "upstream" and spec["explicit_upstream"]:
+        kwargs["attention_backend"] = "FLASHMLA_SPARSE"
+    elif path == "idx_triton":
+        kwargs["attention_backend"] = "FLASHMLA_SPARSE"
+    elif path == "attn_triton":
+        kwargs["attention_backend"] = "TRITON_MLA_SPARSE"
+    if spec["graphs"]:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    else:
+        kwargs["enforce_eager"] = True
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    result = {"startup_s": round(time.perf_counter() - t0, 1)}
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True,
+                            logprobs=5, detokenize=False)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["step_logprobs"] = [
+        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        for o in outs
+    ]
+    result["step_top5"] = [[_top5(d) for d in o.outputs[0].logprobs] for o in outs]
+
+    tf = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5, detokenize=False)
+    dumper.on = bool(spec.get("dump_path"))
+    tf_outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in spec["tf_sequences"]], tf,
+                           use_tqdm=False)
+    dumper.on = False
+    if spec.get("dump_path"):
+        import torch
+
+        torch.save(dumper.calls, spec["dump_path"])
+        result["dump_calls"] = len(dumper.calls)
+    result["tf_logprobs"], result["tf_top5"] = [], []
+    for o, seq in zip(tf_outs, spec["tf_sequences"]):
+        pl = o.prompt_logprobs[1:]
+        result["tf_logprobs"].append([d[t].logprob for d, t in zip(pl, seq[1:])])
+        result["tf_top5"].append([_top5(d) for d in pl])
+
+    if spec["tps"]:
+        batch = [TokensPrompt(prompt_token_ids=p) for p in spec["tps_prompts"]]
+
+        def timed(n):
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+            t = time.perf_counter()
+            llm.generate(batch, sp, use_tqdm=False)
+            return time.perf_counter() - t
+
+        timed(8)  # warm-up
+        short, long_ = min(timed(8) for _ in range(2)), min(timed(72) for _ in range(2))
+        result["decode_tok_s"] = round(TPS_BATCH * 64 / max(long_ - short, 1e-9), 1)
+    result["vendor_calls"] = vendor_calls
+    result["triton_calls"] = triton_calls
+    return result

@@ -1,0 +1,39 @@
+"""bench/bench_sparse_mla.py's pure logic: the --focus baseline is read from the stored report itself."""
+
+from pathlib import Path
+
+from bench import bench_sparse_mla as B
+
+# What the script used to keep in code (run 1's heuristic and best-of-sweep per focus shape), now read
+# from bench/results/h200-sparse_mla-run1.md.
+RUN1 = {
+    "bf16 T=1 H=64": [("h64n32s64w8p2", 19.3), ("h16n64s32w8p2", 12.9)],
+    "fp8_ds_mla T=1 H=8": [("h16n64s32w8p2", 15.3)],
+    "bf16 T=128 H=16": [("h16n64s1w8p2", 135.9), ("h16n64s2w4p2", 99.8)],
+    "fp8_ds_mla T=128 H=64": [("h64n32s1w8p2", 283.4), ("h64n64s1w8p3", 208.1)],
+    "bf16 T=128 H=128": [("h64n32s1w8p2", 479.7), ("h64n64s1w8p3", 344.6)],
+    "bf16 T=4096 H=64 (prefill)": [("h64n32s1w8p2", 7788.5), ("h64n64s1w8p3", 5392.0)],
+}
+
+
+def test_baseline_is_the_sweep_table_of_the_stored_run():
+    base = B.load_baseline(B.BASELINE)
+    for label, pairs in RUN1.items():
+        for cfg, us in pairs:
+            assert base[label][cfg] == us, (label, cfg)
+    # every focus shape of run 1's grid is there, and its best is the run's best of sweep
+    assert min(base["bf16 T=1 H=64"].values()) == 12.9
+    assert all(f"{f} T={T} H={H}{' (prefill)' if p else ''}" in base
+               for f, T, H, p in B.FOCUS_SHAPES if not p)
+
+
+def test_baseline_parses_suffixed_configs_and_skips_other_tables(tmp_path):
+    report = tmp_path / "r.md"
+    report.write_text("## Results\n\n| shape | impl |\n|---|---|\n| bf16 T=1 H=8 | h16n64s1w8p2: 1.0 |\n\n"
+                      "## Sweep (fastest first)\n\n| shape | config: us |\n|---|---|\n"
+                      "| bf16 T=1 H=8 | h16n64s32w8p2: 10.5, h64n64s1w8p3d2: 11.0 (err 3.0e-01), "
+                      "h16n64s32w8p2f: 12.25, h16n32s1w4p2: - skipped: time budget |\n\nTotal 3 s\n")
+    assert B.load_baseline(str(report)) == {
+        "bf16 T=1 H=8": {"h16n64s32w8p2": 10.5, "h64n64s1w8p3d2": 11.0, "h16n64s32w8p2f": 12.25}}
+    assert B.load_baseline(str(tmp_path / "missing.md")) == {}
+    assert Path(B.BASELINE).is_file()
