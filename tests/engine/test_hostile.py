@@ -89,6 +89,25 @@ def test_state_json_deleted_and_a_target_edited_keeps_the_backups(tree):
     _clean(tree)
 
 
+def test_state_json_deleted_and_a_dropin_edited_is_refused_until_forced(tree):
+    site = tree.path
+    engine.apply(site)
+    state.state_file(site).unlink()
+    edited = site / manifest.DROPIN_ROOT / "kernels" / "indexer.py"
+    edited.write_bytes(b"# mine\n")
+    before = _snapshot(site / "vllm")
+    root = site / manifest.DROPIN_ROOT
+    assert_error(cli("rollback", "--vllm-site-packages", site),
+                 f"{edited}: in {root} but not a file this dsa-overlay writes (edited, or from another version), and "
+                 f"the overlay's state.json is gone; save it elsewhere, then run `apply.py rollback --force` (which "
+                 f"removes {root})")
+    assert _snapshot(site / "vllm") == before
+    result = engine.rollback(site, force=True)
+    assert (sorted(result["restored"]), result["message"]) == (sorted(_targets(tree)), WITHOUT_STATE)
+    assert sorted(result["removed"]) == sorted(d.dest for d in manifest.load(tree.version).dropins)
+    _clean(tree)
+
+
 def test_whole_state_folder_deleted_is_undone_by_reversing_the_diffs(tree):
     """State and backups gone (and, in a second round, the drop-ins too): a target whose bytes are the patch
     applied to bytes with the manifest's pristine sha256 is restored by reversing the diff; the result is
