@@ -5,6 +5,7 @@ applies every hunk; any refusal is raised here, while nothing has been touched."
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,15 @@ class Plan:
             "added_dirs": list(self.new_dirs),
         }
 
+    def space_needed(self) -> tuple[int, int]:
+        """(bytes, inodes) an apply may allocate at most: every new file and staging file, backups as copies
+        (where hard links are not possible), two states, a 4 KiB block per file and folder, 1 MiB margin."""
+        files = ([c.after for c in self.changes] + [c.before for c in self.changes] + [a.data for a in self.adds]
+                 + [b"x" * 16384] * 2)
+        folders = len(self.new_dirs) + len({Path(c.target).parent for c in self.changes}) + 3
+        need = sum(len(d) + 4096 for d in files) + 4096 * folders + 2**20
+        return need, len(files) + folders + 16
+
     def unified_diff(self) -> str:
         return "".join(hunks.make_diff(c.before, c.after, c.target) for c in self.changes)
 
@@ -103,8 +113,17 @@ def _change(site: Path, ps: manifest.PatchSet, p: manifest.Patch, forced: bool, 
     if originals is not None:
         before, mode = originals[p.target], 0o644
     else:
+        link = fsops.first_link(site, p.target)
+        if link is not None:
+            raise UserError(
+                f"{link}: is a symbolic link; dsa-overlay patches only regular files inside vllm/ (it would "
+                f"otherwise replace the link by a file): reinstall with "
+                f"`pip install --force-reinstall --no-deps vllm=={ps.version}` (nothing was changed)"
+            )
         try:
-            before, mode = path.read_bytes(), path.stat().st_mode & 0o7777
+            before, mode = fsops.read_regular(path), path.lstat().st_mode & 0o7777
+            if before is None:
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory")
         except OSError as exc:
             raise UserError(f"{path}: cannot read ({exc.strerror}); reinstall vllm=={ps.version}") from None
         if not forced and fsops.sha256(before) != p.sha256:
@@ -115,6 +134,15 @@ def _change(site: Path, ps: manifest.PatchSet, p: manifest.Patch, forced: bool, 
             )
     after, offsets = hunks.apply(before, diff)
     return Change(p.target, before, after, mode, tuple(offsets))
+
+
+def reverse(diff: hunks.FileDiff) -> hunks.FileDiff:
+    """The diff that undoes `diff` (each hunk's sides swapped, placed where the forward diff put it)."""
+    out, shift = [], 0
+    for h in diff.hunks:
+        out.append(hunks.Hunk(h.header, h.start + shift, h.new, h.old))
+        shift += len(h.new) - len(h.old)
+    return hunks.FileDiff(diff.path, diff.target, tuple(out))
 
 
 def _add(d: manifest.Dropin) -> Add:

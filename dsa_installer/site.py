@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from email.parser import HeaderParser
 from pathlib import Path
 
 from .errors import UserError
+
+# a release as pip writes it (letters, digits, . + ! _ -): never '/', spaces or '..' on its own
+VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+!_-]{0,63}")
 
 
 def default_site_packages() -> Path:
@@ -32,9 +36,14 @@ def vllm_version(site: Path) -> str:
         raise UserError(f"{site}: several vLLM installs are recorded ({names}); reinstall vLLM with pip to clean up")
     meta = infos[0] / "METADATA"
     try:
-        headers = HeaderParser().parsestr(meta.read_text(encoding="utf-8"))
+        # only the ASCII headers matter; bytes that are not UTF-8 elsewhere (the description) are replaced
+        headers = HeaderParser().parsestr(meta.read_bytes().decode("utf-8", errors="replace"), headersonly=True)
     except OSError as exc:
         raise UserError(f"{meta}: cannot read ({exc.strerror}); reinstall vLLM with pip") from None
-    if headers.get("Name", "").lower() != "vllm" or not headers.get("Version"):
+    name, version = str(headers.get("Name", "")), str(headers.get("Version", "")).strip()
+    if name.strip().lower() != "vllm" or not version:
         raise UserError(f"{meta}: no 'Name: vllm' / 'Version:' header; reinstall vLLM with pip")
-    return headers["Version"].strip()
+    if not VERSION.fullmatch(version):
+        shown = version if len(version) <= 40 else version[:40] + "..."
+        raise UserError(f"{meta}: malformed version {shown!r} (expected one like 0.23.0); reinstall vLLM with pip")
+    return version

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_installer import fsops, manifest
+from dsa_installer import engine, fsops, manifest
 
 from .conftest import REPO, assert_error, cli
 
@@ -98,7 +98,6 @@ def test_edits_after_apply_block_rollback_unless_forced(tree):
     cases = [
         (site / rel, "edited", lambda p: p.write_bytes(p.read_bytes() + b"# edited after apply\n")),
         (site / "vllm/_dsa_overlay/speculators.py", "edited", lambda p: p.write_bytes(b"# replaced\n")),
-        (site / "vllm/_dsa_overlay/speculators.py", "deleted", lambda p: p.unlink()),
         (site / "vllm/_dsa_overlay/mine.py", "added to the overlay's folder", lambda p: p.write_bytes(b"x = 1\n")),
     ]
     for path, what, tamper in cases:
@@ -113,7 +112,7 @@ def test_edits_after_apply_block_rollback_unless_forced(tree):
                      f"{path}: {what} since apply; save your change elsewhere, then run "
                      "`apply.py rollback --force` (which discards it)")
         relpath = path.relative_to(site)
-        status_word = {"edited": "modified", "deleted": "missing"}.get(what, "unexpected")
+        status_word = {"edited": "modified"}.get(what, "unexpected")
         assert_error(cli("--vllm-site-packages", site),
                      f"{site}: the overlay is modified after apply ({relpath}: {status_word}); "
                      "run `apply.py rollback --force` first (it discards that edit)")
@@ -123,6 +122,26 @@ def test_edits_after_apply_block_rollback_unless_forced(tree):
         assert forced.returncode == 0, forced.stderr
         tree.assert_pristine()
         assert not (site / "vllm/_dsa_overlay").exists()
+
+
+def test_deleting_an_added_or_patched_file_does_not_block_rollback(tree):
+    """Nothing of the user's is lost by restoring a deleted target or by not removing a deleted drop-in, so
+    (unlike an edit) a deletion is no reason to refuse: it is what a killed rollback leaves, too."""
+    site, rel = tree.path, _target(tree)
+    engine.apply(site)
+    (site / "vllm/_dsa_overlay/speculators.py").unlink()
+    (site / rel).unlink()
+    st = engine.status(site)
+    assert st["state"] == "partially applied"
+    assert {(f["path"], f["status"]) for f in st["files"]} >= {
+        ("vllm/_dsa_overlay/speculators.py", "missing"), (rel, "missing")}
+    assert_error(cli("--vllm-site-packages", site),
+                 f"{site}: the overlay is partially applied ({rel}: missing); run `apply.py rollback` first")
+    result = engine.rollback(site)
+    assert sorted(result["restored"]) == sorted(p.target for p in manifest.load(tree.version).patches)
+    assert result["message"] == "rolled back; vLLM is pristine again"
+    tree.assert_pristine(full=True)
+    assert not (site / "vllm/.dsa_overlay").exists() and not (site / "vllm/_dsa_overlay").exists()
 
 
 def test_leftover_dropin_folder_without_state(tree):

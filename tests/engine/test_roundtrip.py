@@ -1,11 +1,12 @@
 """apply -> status -> re-apply (no-op) -> rollback on real pristine vLLM releases, through the CLI."""
 
 import json
+import os
 import time
 from pathlib import PurePosixPath
 
 from tests.conftest import TIMINGS
-from dsa_installer import engine, manifest
+from dsa_installer import engine, manifest, state
 
 from .conftest import cli
 
@@ -126,3 +127,27 @@ def test_options_before_the_subcommand_are_honoured(tree):
     tree.assert_pristine()
     wrong = cli("--dry-run", "status", "--vllm-site-packages", site)
     assert wrong.returncode == 2 and "--dry-run and --force-version belong to apply" in wrong.stderr
+
+
+def test_backups_are_the_original_files(tree):
+    """apply keeps each original file itself as its backup (a hard link: no data written, so no space
+    needed) and rollback renames it back: inode, mode and mtime are the ones pip installed."""
+    site = tree.path
+    targets = [p.target for p in manifest.load(tree.version).patches]
+    mode = os.lstat(site / targets[0]).st_mode & 0o7777
+    os.chmod(site / targets[0], 0o600)  # an unusual mode must survive too
+    before = {t: os.lstat(site / t) for t in targets}
+    engine.apply(site)
+    for t in targets:
+        backup = os.lstat(state.backup_path(site, t))
+        assert (backup.st_ino, backup.st_mode, backup.st_mtime_ns) == (
+            before[t].st_ino, before[t].st_mode, before[t].st_mtime_ns)
+        assert os.lstat(site / t).st_ino != before[t].st_ino
+        assert os.lstat(site / t).st_mode == before[t].st_mode  # the patched file keeps the mode
+    engine.rollback(site)
+    for t in targets:
+        now = os.lstat(site / t)
+        assert (now.st_ino, now.st_mode, now.st_mtime_ns) == (before[t].st_ino, before[t].st_mode,
+                                                             before[t].st_mtime_ns)
+    os.chmod(site / targets[0], mode)
+    tree.assert_pristine(full=True)
