@@ -109,10 +109,11 @@ def fp32_sparse_mla_standin(q, kv, indices, softmax_scale, kv_format="bf16"):
     return out.to(torch.bfloat16), lse
 
 
-def test_forward_end_to_end_against_dense_attention():
+@pytest.mark.parametrize("seed", [7, 8, 9], ids=lambda s: f"seed={s}")
+def test_forward_end_to_end_against_dense_attention(seed):
     """Paged cache + request-local top-k through sparse_mla_forward equals attention over the
     chosen tokens of each request, computed from the requests' own (unpaged) KV."""
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     block_size, H, topk = 16, 3, 11
     seq_lens = [20, 5, 33]
     num_blocks = 12
@@ -154,7 +155,9 @@ def test_forward_end_to_end_against_dense_attention():
             continue
         k = req_kv[r][sel].float()
         p = torch.softmax(q[t] @ k.T * scale, -1)
-        torch.testing.assert_close(out[t].float(), p @ k[:, :512], atol=2e-2, rtol=2e-2)
+        # The stand-in's only error is rounding its float32 result to bfloat16: at most 2^-8 relative (measured
+        # 3.89e-3 over seeds 7-60: the bound itself; never beyond it), atol only for float32 noise near 0.
+        torch.testing.assert_close(out[t].float(), p @ k[:, :512], atol=1e-6, rtol=2 ** -8)
 
 
 def test_backend_declarations_without_vllm():

@@ -1,5 +1,7 @@
-"""Every launch configuration of the indexer kernels compiles for sm_80, sm_86, sm_89, sm_90 and
-sm_120, fits the target's shared memory and does not spill registers.
+"""Every launch configuration of the indexer kernels compiles for sm_80, sm_86, sm_89, sm_90, sm_100,
+sm_120 and sm_121, with this interpreter's Triton and with Triton 3.5.1 (a cached venv,
+tests/kernels/_triton35.py), fits the target's shared memory, does not spill registers and is not
+lowered to a trap.
 
 No GPU needed: `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs the whole
 pipeline to PTX on the CPU; shared memory comes from Triton's metadata, registers and spills from
@@ -21,9 +23,11 @@ import tempfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TARGETS = (80, 86, 89, 90, 120)
+HERE = pathlib.Path(__file__).resolve().parent
+TARGETS = (80, 86, 89, 90, 100, 120, 121)
 # Shared memory a block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes.
-SHARED_LIMIT = {80: 163 * 1024, 86: 101376, 89: 101376, 90: 227 * 1024, 120: 101376}
+SHARED_LIMIT = {80: 163 * 1024, 86: 101376, 89: 101376, 90: 227 * 1024, 100: 227 * 1024, 120: 101376,
+                121: 101376}
 
 # Arguments a real launch sees as multiples of 16 (Triton specialises them): every pointer (torch
 # allocations, and the cache is checked 16-byte aligned), head-dim multiples, cache geometry.
@@ -90,6 +94,7 @@ def _compile_one(ix, name: str, cfg: dict, cc: int) -> dict:
     log = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", log)
     return dict(kernel=name, cc=cc, cfg=cfg, shared=int(kernel.metadata.shared), arch=arch,
+                traps=len(re.findall(r"^\s*trap;", ptx, re.M)),   # a construct Triton could not lower
                 ptxas_rc=res.returncode, registers=int(regs.group(1)) if regs else -1,
                 spill_bytes=sum(int(x) for x in re.findall(r"(\d+) bytes spill", log)),
                 log=log[-2000:])
@@ -98,46 +103,74 @@ def _compile_one(ix, name: str, cfg: dict, cc: int) -> dict:
 def _worker() -> list[dict]:
     assert not os.environ.get("TRITON_INTERPRET"), "cross-compiling needs the compiled kernels"
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(HERE))
+    from _xcompile import torch_or_stub
+
+    torch_or_stub()
     from overlay.kernels import indexer as ix
 
     assert not ix.INTERPRETED
     out = []
     for cc in TARGETS:
         for name, cfg in ix.launch_configs((cc // 10, cc % 10)):
-            out.append(_compile_one(ix, name, dataclasses.asdict(cfg), cc))
+            try:
+                out.append(_compile_one(ix, name, dataclasses.asdict(cfg), cc))
+            except Exception as e:  # reported per target: the others still count
+                out.append(dict(kernel=name, cc=cc, cfg=dataclasses.asdict(cfg), error=repr(e)[-1500:]))
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled():
+# The Triton the worker runs under: this interpreter's, and 3.5.1 from a cached venv (tests/kernels/_triton35.py).
+@pytest.fixture(scope="module", params=["installed", "3.5.1"], ids=lambda t: f"triton-{t}")
+def compiled(request):
+    if request.param == "installed":
+        python = sys.executable
+    else:
+        from tests.kernels import _triton35
+
+        python = _triton35.python()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True,
+    proc = subprocess.run([python, __file__, "--worker"], env=env, capture_output=True,
                           text=True, timeout=900, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return request.param, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# Known failures, strict: the test turns red again (XPASS) once the launch tables stop emitting the config.
+SPILL_100 = ("decode HP=64 T=1 BLOCK_N=64 w4 p3 (the flat walk of the 'fp8' family, which sm_100 falls into) "
+             "spills 4 B stores / 4 B loads with ptxas-blackwell")
+KNOWN_BAD = {
+    ("installed", 100): SPILL_100,
+    ("3.5.1", 121): "Triton 3.5.1 ships ptxas 12.8, which has no sm_121a (added in CUDA 12.9)",
+}
 
 
 @pytest.mark.parametrize("cc", TARGETS)
-def test_every_config_compiles_fits_and_does_not_spill(compiled, cc):
-    rows = [r for r in compiled if r["cc"] == cc]
+def test_every_config_compiles_fits_and_does_not_spill(compiled, cc, request):
+    tri, rows = compiled
+    if (tri, cc) in KNOWN_BAD:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_BAD[tri, cc]))
+    rows = [r for r in rows if r["cc"] == cc]
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"prefill", "decode"}, f"sm_{cc}: compiled only {kernels}"
     # Both head counts that matter (GLM-5: 32, DeepSeek-V3.2: 64) and a tiny model's (<= 16) are in.
     assert {16, 32, 64} <= {r["cfg"]["HP"] for r in rows}
     for r in rows:
-        what = f"sm_{cc} {r['kernel']} {r['cfg']}"
+        what = f"triton {tri} sm_{cc} {r['kernel']} {r['cfg']}"
+        assert "error" not in r, f"{what}: does not compile: {r.get('error')}"
         assert r["ptxas_rc"] == 0, f"{what}: ptxas failed\n{r['log']}"
         assert r["arch"].startswith(f"sm_{cc}"), f"{what}: PTX targets {r['arch']}"
         assert 0 < r["shared"] <= SHARED_LIMIT[cc], f"{what}: {r['shared']} B shared memory"
         assert 0 < r["registers"] <= 255, f"{what}: {r['registers']} registers"
         assert r["spill_bytes"] == 0, f"{what}: spills {r['spill_bytes']} bytes\n{r['log']}"
+        assert r["traps"] == 0, f"{what}: lowered to {r['traps']} trap(s): Triton cannot compile it there"
 
 
 def test_native_fp8_dot_only_where_the_target_has_it(compiled):
-    from_cfg = {(r["cc"], r["cfg"]["DOT_MODE"]) for r in compiled}
+    from_cfg = {(r["cc"], r["cfg"]["DOT_MODE"]) for r in compiled[1]}
     modes = {cc: {m for c, m in from_cfg if c == cc} for cc in TARGETS}
     assert modes[80] == modes[86] == {1}          # DOT_BF16: e4m3 bytes decoded in registers
-    assert modes[89] == modes[90] == modes[120] == {0}   # DOT_FP8
+    assert modes[89] == modes[90] == modes[100] == modes[120] == modes[121] == {0}   # DOT_FP8
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

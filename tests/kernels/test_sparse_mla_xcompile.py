@@ -3,7 +3,9 @@ GPU architecture, without a GPU: each must fit the target's shared memory per bl
 
 The compile needs the real (non-interpreted) JITFunctions, while the interpreter tests set
 TRITON_INTERPRET=1 for this pytest process; so each architecture is checked by running this file as a
-script in a fresh subprocess without TRITON_INTERPRET, which prints one JSON line per compiled kernel.
+script in a fresh subprocess without TRITON_INTERPRET, which prints one JSON line per compiled kernel. Each
+target is compiled with this interpreter's Triton and with Triton 3.5.1 (a cached venv,
+tests/kernels/_triton35.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-TARGETS = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0), 120: (12, 0)}
+TARGETS = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0), 100: (10, 0), 120: (12, 0), 121: (12, 1)}
 
 # Arguments a real launch specialises as 16-divisible for the shapes the product sees (aligned
 # allocations; 576-/656-wide rows; block sizes and top-k multiples of 16).
@@ -46,7 +48,9 @@ def extra_tiles(capability, fmt) -> list:
     so that a faster one can enter the table knowing it compiles, fits and does not spill there."""
     from overlay.kernels import sparse_mla as M
 
-    return [t for t in M.FOCUS_TILES.get(fmt, []) if capability == (9, 0)]
+    # Under Triton 3.5 the 64-head focus variants spill on sm_90 (sparse_mla.py says so beside FOCUS_TILES):
+    # they are benchmark candidates for Triton 3.6 only.
+    return [t for t in M.FOCUS_TILES.get(fmt, []) if capability == (9, 0) and M._TRITON_VERSION >= (3, 6)]
 
 
 def _worker(cc: int) -> None:
@@ -71,7 +75,8 @@ def _worker(cc: int) -> None:
                                   consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
                 print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns, dv, int(post)], split=split,
                                       shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
-                                      spill_stores=c.spill_stores, spill_loads=c.spill_loads)), flush=True)
+                                      spill_stores=c.spill_stores, spill_loads=c.spill_loads,
+                                      traps=c.traps)), flush=True)
     ptrs = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
     for _, chunk, block_d in M._COMBINE_BUCKETS:
         c = cross_compile(M._sparse_mla_combine_kernel, _signature(M._sparse_mla_combine_kernel, ptrs),
@@ -79,23 +84,55 @@ def _worker(cc: int) -> None:
                           num_warps=4, num_stages=1, divisible_by_16=("po_ptr", "out_ptr", "stride_ot", "stride_oh"))
         print(json.dumps(dict(kernel="combine", cc=cc, fmt="-", tile=[chunk, block_d], split=True,
                               shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
-                              spill_stores=c.spill_stores, spill_loads=c.spill_loads)), flush=True)
+                              spill_stores=c.spill_stores, spill_loads=c.spill_loads, traps=c.traps)),
+              flush=True)
 
 
-@pytest.mark.parametrize("cc", sorted(TARGETS), ids=[f"sm_{c}" for c in sorted(TARGETS)])
-def test_every_heuristic_config_fits_and_does_not_spill(cc):
+# Known failures, strict: the test turns red again (XPASS) once the launch tables stop emitting the tile.
+# The Triton a worker runs under: this interpreter's, and 3.5.1 from a cached venv (_triton35.py).
+TRITONS = ("installed", "3.5.1")
+
+# Known failures, strict: the test turns red again (XPASS) once the launch tables stop emitting the tile.
+TRAP_100 = ("the bf16 h64n16w8p2 tile (the sm8x table's 64-head bucket, which sm_100 falls into) is "
+            "lowered to a lone `trap` for sm_100a: a B200 would die at H > 32 with a bf16 cache")
+KNOWN_BAD = {
+    ("installed", 100): TRAP_100,
+    ("3.5.1", 100): TRAP_100,
+    ("3.5.1", 121): "Triton 3.5.1 ships ptxas 12.8, which has no sm_121a (added in CUDA 12.9)",
+}
+
+
+def _cases():
+    for tri in TRITONS:
+        for c in sorted(TARGETS):
+            bad = KNOWN_BAD.get((tri, c))
+            marks = [pytest.mark.xfail(strict=True, reason=bad)] if bad else []
+            yield pytest.param(tri, c, id=f"triton-{tri}-sm_{c}", marks=marks)
+
+
+def worker_python(tri: str) -> str:
+    if tri == "installed":
+        return sys.executable
+    from tests.kernels import _triton35
+
+    return _triton35.python()
+
+
+@pytest.mark.parametrize("tri,cc", list(_cases()))
+def test_every_heuristic_config_fits_and_does_not_spill(tri, cc):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, str(cc)], capture_output=True, text=True, env=env,
+    proc = subprocess.run([worker_python(tri), __file__, str(cc)], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=900)
     assert proc.returncode == 0, f"cross-compile for sm_{cc} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert any(r["kernel"] == "fwd" for r in rows) and any(r["kernel"] == "combine" for r in rows)
-    bad = [r for r in rows if r["shared"] > r["limit"] or r["spill_stores"] or r["spill_loads"]]
+    bad = [r for r in rows if r["shared"] > r["limit"] or r["spill_stores"] or r["spill_loads"] or r["traps"]]
     table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']}: shared "
                       f"{r['shared']}/{r['limit']} B, {r['regs']} regs, spills "
-                      f"{r['spill_stores']}/{r['spill_loads']} B" for r in rows)
-    assert not bad, f"sm_{cc}: configurations over the shared-memory limit or spilling:\n{table}"
-    print(f"sm_{cc}:\n{table}")
+                      f"{r['spill_stores']}/{r['spill_loads']} B, traps {r['traps']}" for r in rows)
+    assert not bad, (f"triton {tri}, sm_{cc}: configurations over the shared-memory limit, spilling, or "
+                     f"lowered to a trap (Triton could not compile them for the target):\n{table}")
+    print(f"triton {tri}, sm_{cc}:\n{table}")
 
 
 if __name__ == "__main__":

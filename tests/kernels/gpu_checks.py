@@ -1,0 +1,213 @@
+"""The compiled kernels on a CUDA GPU against the independent float64 references of tests/kernels/_refs.py.
+
+What the interpreter tests cannot run: the bf16 tensor-core dots of the sparse-MLA kernel (the interpreter
+takes float32 dots, DOT_F32), its fp8_ds_mla dequantisation into bf16 operands (native e4m3 conversion and
+the sm_80/86 bit path), the fp8 (DOT_FP8) and bf16-decoded (DOT_BF16) dots of both indexer kernels, the
+heuristic's launch tables, top-k 2048, 128 heads, index heads beyond 64. Inputs are the same seeded cases
+as the interpreter tests (tests/kernels/_cases.py); tolerances were measured on an H200 (see _cases.py).
+
+Not collected by the suite (no test_ prefix): Triton fixes interpreted or compiled mode for the whole process
+when `triton.language` is first imported, so tests/kernels/test_gpu_kernels.py runs this file in a fresh
+pytest process without TRITON_INTERPRET (and skips without CUDA). Run it directly on a GPU machine:
+``python -m pytest tests/kernels/gpu_checks.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # pragma: no cover - a misuse, said plainly
+    raise RuntimeError("tests/kernels/gpu_checks.py needs compiled kernels: run it without TRITON_INTERPRET")
+
+from overlay.kernels import indexer as IX  # noqa: E402
+from overlay.kernels import sparse_mla as SM  # noqa: E402
+from tests.kernels import _cases as C  # noqa: E402
+from tests.kernels import _refs as R  # noqa: E402
+
+assert type(SM._sparse_mla_fwd_kernel).__name__ == "JITFunction" and not IX.INTERPRETED
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_measured_errors(request):
+    yield
+    C.report_errors(request)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sparse MLA
+# ------------------------------------------------------------------------------------------------
+def _mla_tol(fmt):
+    return C.MLA_GPU_BF16 if fmt == "bf16" else C.MLA_GPU_FP8
+
+
+def _run_mla(case: C.MlaCase, **kw):
+    T, H, _ = case.q.shape
+    out, lse = C.poisoned_mla_outputs(T, H, torch.bfloat16, "cuda")
+    assert not SM._interpreting()
+    SM.sparse_mla_attention(case.q, case.cache, case.idx, case.scale, case.fmt, out=out, lse=lse, **kw)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+MLA = [
+    # (seed, fmt, H, topk, T, block_size, num_blocks): the heuristic picks the launch
+    (401, "bf16", 128, 2048, 4, 64, 40),      # 128 heads x top-k 2048, throughput tile, split
+    (402, "fp8_ds_mla", 128, 2048, 4, 64, 40),
+    (403, "bf16", 16, 2048, 1, 64, 40),       # batch-1 decode: latency tile, 32 splits
+    (404, "fp8_ds_mla", 64, 2048, 1, 64, 40),
+    (405, "bf16", 64, 512, 33, 64, 12),       # GLM-5 heads, prefill-like T
+    (406, "fp8_ds_mla", 64, 512, 33, 64, 12),
+    (407, "bf16", 8, 300, 7, 16, 30),         # 8 heads per rank (GLM-5 at TP 8), odd top-k
+    (408, "fp8_ds_mla", 32, 130, 9, 1, 400),  # block_size 1
+    (409, "bf16", 5, 7, 3, 16, 3),            # odd sizes
+    (410, "fp8_ds_mla", 100, 97, 2, 64, 4),
+]
+
+
+@pytest.mark.parametrize("c", MLA, ids=lambda c: f"seed={c[0]}-{c[1]}-H{c[2]}-k{c[3]}-T{c[4]}-bs{c[5]}")
+def test_sparse_mla_heuristic_launch(c):
+    seed, fmt, H, topk, T, bs, nb = c
+    case = C.mla_case(seed, fmt, H, topk, T, bs, num_blocks=nb)
+    out, lse = _run_mla(case.to("cuda"))
+    C.check_mla(out, lse, case.ref(), _mla_tol(fmt), case.what)
+
+
+SM90_TILES = sorted({(f, t) for f in SM.KV_FORMATS for t in SM.candidate_tiles((9, 0), f)}
+                    | {(f, t) for f, ts in SM.FOCUS_TILES.items() for t in ts})
+
+
+@pytest.mark.parametrize("i", range(len(SM90_TILES)),
+                         ids=[f"{f}-{SM.SparseMLAConfig.from_tile(t)}" for f, t in SM90_TILES])
+def test_sparse_mla_every_sm90_tile(i):
+    """Every tile the sm_90 tables and the benchmark's focus list hold, with and without splits."""
+    fmt, tile = SM90_TILES[i]
+    case = C.mla_case(420 + i, fmt, 70, 300, 3, 64, num_blocks=8)
+    for splits in (1, 3):
+        config = SM.SparseMLAConfig.from_tile(tile, splits)
+        case.what = f"seed={420 + i} {fmt} config={config}"
+        out, lse = _run_mla(case.to("cuda"), config=config)
+        C.check_mla(out, lse, case.ref(), _mla_tol(fmt), case.what)
+
+
+@pytest.mark.parametrize("post", [False, True], ids=["scale-tile", "scale-after-dot"])
+def test_sparse_mla_fp8_bit_path_on_gpu(post):
+    """The sm_80/86 e4m3 decoder (no native conversion) and the scale-after-dot variant, compiled."""
+    case = C.mla_case(430, "fp8_ds_mla", 64, 1024, 3, 64, num_blocks=20, kv_scale=5.0)
+    out, lse = _run_mla(case.to("cuda"), _fp8_native=False,
+                        config=SM.SparseMLAConfig(16, 32, 4, 4, 2, 1, post))
+    C.check_mla(out, lse, case.ref(), C.MLA_GPU_FP8, case.what)
+
+
+def _heaviest_valid_position(case: C.MlaCase, t: int) -> int:
+    """Position in indices[t] of the valid slot with the largest softmax weight summed over the heads."""
+    rows = R.mla_slots(case.cache, case.fmt)
+    idx = case.idx[t].long()
+    pos = ((idx >= 0) & (idx < rows.shape[0])).nonzero()[:, 0]
+    s = (case.q[t].double() @ rows[idx[pos]].T) * case.scale
+    return int(pos[torch.softmax(s, dim=1).sum(0).argmax()])
+
+
+DROPS = [("bf16", "heaviest", 128, 2048), ("bf16", "random", 16, 64),
+         ("fp8_ds_mla", "heaviest", 64, 512), ("fp8_ds_mla", "random", 16, 64)]
+
+
+@pytest.mark.parametrize("fmt,drop,H,topk", DROPS, ids=[f"{f}-{d}-of-{k}" for f, d, _, k in DROPS])
+def test_gpu_tolerance_catches_a_dropped_key(fmt, drop, H, topk):
+    """The GPU tolerances bite too: one valid key per token dropped makes the comparison fail. The reference's
+    own effect of the drop (normalised lse): heaviest of 2048 keys 3.7e-4, of 512 1.7e-3, a random one of 64
+    8e-3. The bf16 tolerance (6e-7) sees all of them; the fp8_ds_mla one (1e-3, set by its rounding of the
+    dequantised tile to bf16) not the heaviest of 2048, hence 512 there."""
+    case = C.mla_case(440, fmt, H, topk, 3, 64, num_blocks=40, invalid_row=False)
+    mut = case.idx.clone()
+    g = torch.Generator().manual_seed(440)
+    for t in range(mut.shape[0]):
+        if drop == "heaviest":
+            j = _heaviest_valid_position(case, t)
+        else:
+            valid = ((mut[t] >= 0) & (mut[t] < 40 * 64)).nonzero()[:, 0]
+            j = int(valid[torch.randint(len(valid), (1,), generator=g)])
+        mut[t, j] = -1
+    broken = C.MlaCase(case.q, case.cache, mut, case.scale, fmt, case.what)
+    out, lse = _run_mla(broken.to("cuda"))
+    with pytest.raises(AssertionError):
+        C.check_mla(out, lse, case.ref(), _mla_tol(fmt), case.what, measure=False)
+
+
+def test_gpu_tolerance_catches_a_mis_scaled_fp8_tile():
+    """One 128-wide tile of the heaviest slot of token 0 dequantised with 1.25x its scale."""
+    case = C.mla_case(441, "fp8_ds_mla", 64, 512, 2, 64, num_blocks=10, invalid_row=False)
+    slot = int(case.idx[0, _heaviest_valid_position(case, 0)])
+    cache = case.cache.clone()
+    cache[slot // 64, slot % 64, 512:528].view(torch.float32)[1] *= 1.25
+    out, lse = _run_mla(C.MlaCase(case.q, cache, case.idx, case.scale, case.fmt, case.what).to("cuda"))
+    with pytest.raises(AssertionError):
+        C.check_mla(out, lse, case.ref(), C.MLA_GPU_FP8, case.what, measure=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Indexer
+# ------------------------------------------------------------------------------------------------
+PREFILL = [(501, 160, 1500, 64), (502, 96, 900, 32), (503, 64, 700, 128), (504, 40, 513, 100),
+           (505, 33, 300, 5)]   # (seed, M, N, H)
+
+
+@pytest.mark.parametrize("mode", ["DOT_FP8", "DOT_BF16"])
+@pytest.mark.parametrize("p", PREFILL, ids=lambda p: f"seed={p[0]}-M{p[1]}-N{p[2]}-H{p[3]}")
+def test_indexer_prefill(p, mode):
+    """The device's own config (DOT_FP8 on sm_89+) and the sm_80/86 decoder path (DOT_BF16), with empty,
+    reversed (ks > ke), clipped (ke > N, ks < 0) and full ranges."""
+    case = C.prefill_case(*p)
+    g = case.to("cuda")
+    cfg = None if mode == "DOT_FP8" else dict(DOT_MODE=IX.DOT_BF16)
+    if mode == "DOT_FP8":
+        assert IX.dot_mode_for_capability(torch.cuda.get_device_capability()) == IX.DOT_FP8
+    out = IX.fp8_mqa_logits(g.q, (g.k, g.k_scales), g.w, g.ks, g.ke, True, _config=cfg,
+                            _out=C.poisoned((p[1], p[2]), "cuda"))
+    torch.cuda.synchronize()
+    tol = C.IDX_GPU_FP8 if mode == "DOT_FP8" else C.IDX_GPU_BF16
+    C.check_logits(out, case.ref(), tol, True, f"{case.what} {mode}")
+
+
+PAGED = [
+    # (seed, next_n, H, block_size, lens, two_d, max_model_len or None)
+    (511, 1, 64, 64, [2000, 0, 1, 64, 129, 777, 1500, 3], False, None),
+    (512, 2, 64, 64, [1800, 2, 1, 67, 900], True, None),
+    (513, 1, 32, 64, [3000, 100, 40] * 4, False, None),
+    (514, 2, 128, 64, [600, 33], True, None),          # index heads beyond 64
+    (515, 1, 100, 64, [500, 7], False, None),
+    (516, 2, 64, 64, [1200, 300, 90], False, 700),      # contexts longer than max_model_len
+]
+
+
+@pytest.mark.parametrize("walk", ["default", "flat", "flat-bf16"])
+@pytest.mark.parametrize("p", PAGED, ids=lambda p: f"seed={p[0]}-n{p[1]}-H{p[2]}")
+def test_indexer_paged(p, walk):
+    """The device's own config (on sm_90: the per-request walk, scales prefetched for the large tile), the
+    flat walk of the other targets, and the sm_80/86 decoder path."""
+    seed, next_n, H, bs, lens, two_d, mml = p
+    case = C.paged_case(seed, len(lens), next_n, H, bs, lens, two_d=two_d, max_model_len=mml)
+    g = case.to("cuda")
+    cfg = {"default": None, "flat": dict(NESTED=False, HOIST_Q=False, SCALES_AHEAD=False),
+           "flat-bf16": dict(NESTED=False, HOIST_Q=False, SCALES_AHEAD=False, DOT_MODE=IX.DOT_BF16,
+                             BLOCK_N=32)}[walk]
+    out = IX.fp8_paged_mqa_logits(g.q, g.cache, g.w, g.cl, g.tables, None, case.max_model_len, True,
+                                  _config=cfg, _out=C.poisoned((len(lens) * next_n, case.max_model_len), "cuda"))
+    torch.cuda.synchronize()
+    ref = case.ref()
+    C.assert_paged_visibility(case, ref[0])
+    tol = C.IDX_GPU_BF16 if walk == "flat-bf16" else C.IDX_GPU_FP8
+    C.check_logits(out, ref, tol, True, f"{case.what} {walk}")
+
+
+def test_gpu_indexer_tolerance_catches_a_dropped_head():
+    case = C.prefill_case(520, 64, 700, 64)
+    g = case.to("cuda")
+    w = g.w.clone()
+    w[:, 17] = 0
+    out = IX.fp8_mqa_logits(g.q, (g.k, g.k_scales), w, g.ks, g.ke, True)
+    with pytest.raises(AssertionError):
+        C.check_logits(out, case.ref(), C.IDX_GPU_FP8, True, case.what, measure=False)

@@ -1,0 +1,58 @@
+"""GPU tests of the compiled kernels (tests/kernels/gpu_checks.py), each group in a fresh pytest process.
+
+Triton decides once per process, when `triton.language` is first imported, whether @triton.jit functions
+(its own `tl.min`, `tl.max`, ... included) are interpreted or compiled; the interpreter tests of this suite
+need the former, the GPU tests the latter. So every test here runs one test function of gpu_checks.py in a
+subprocess without TRITON_INTERPRET, shows its output, and fails with it. Needs CUDA (`gpu` marker: skipped
+with a reason elsewhere). This module imports nothing from Triton.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+CHECKS = HERE / "gpu_checks.py"
+
+GROUPS = [
+    "test_sparse_mla_heuristic_launch",
+    "test_sparse_mla_every_sm90_tile",
+    "test_sparse_mla_fp8_bit_path_on_gpu",
+    "test_gpu_tolerance_catches_a_dropped_key",
+    "test_gpu_tolerance_catches_a_mis_scaled_fp8_tile",
+    "test_indexer_prefill",
+    "test_indexer_paged",
+    "test_gpu_indexer_tolerance_catches_a_dropped_head",
+]
+
+
+def test_every_gpu_check_is_run():
+    """Runs everywhere: GROUPS names every test function of gpu_checks.py (read without importing it)."""
+    tree = ast.parse(CHECKS.read_text())
+    found = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+    assert sorted(found) == sorted(GROUPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GROUPS)
+def test_gpu_checks(name, request):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           f"{CHECKS}::{name}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    summary = [line for line in out.splitlines() if line.startswith("  ") and "(" in line and ":" in line
+               and ("mla gpu" in line or "indexer gpu" in line)]
+    tr = request.config.pluginmanager.getplugin("terminalreporter")
+    if tr is not None and summary:
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            for line in [f"{name}: largest measured errors (tolerance):"] + summary:
+                tr.write_line(line)
+    assert proc.returncode == 0, f"{name} failed on the GPU:\n{out[-8000:]}"
+    assert " passed" in out and " skipped" not in out, f"{name}: nothing ran?\n{out[-3000:]}"
