@@ -477,6 +477,12 @@ _THROUGHPUT_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
     ("sm8x", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
     ("sm8x", "fp8_ds_mla", 64): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
 }
+# sm_10x (B200/GB200; tcgen05 instead of wgmma): the sm80 tiles, except the bf16 64-head one: 64-head tiles
+# with DV_SPLIT=1 lower to a lone `trap` for sm_100 (tests/kernels/test_sparse_mla_xcompile.py checks every target).
+# Untuned: no sm_10x hardware here.
+for _table in (_LATENCY_TUNING, _THROUGHPUT_TUNING):
+    _table.update({("sm100", *key[1:]): entry for key, entry in list(_table.items()) if key[0] == "sm80"})
+_THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2)
 
 # Variants the benchmark's --focus mode times on sm_90 beside the table tiles (bench/bench_sparse_mla.py);
 # cross-compiled for sm_90 by tests/kernels/test_sparse_mla_xcompile.py so that a faster one can enter
@@ -499,11 +505,13 @@ FOCUS_TILES: dict[str, list[tuple]] = {fmt: [c.tile for c in cs] for fmt, cs in 
 
 def _family(capability: tuple[int, int]) -> str:
     """Tuning-table family of a (major, minor) capability, by shared memory per block: "sm90" (Hopper,
-    227 KB), "sm80" (A100, 163 KB), "sm8x" (sm_86 / sm_87 / sm_89 / sm_12x and anything unknown: the small
+    227 KB), "sm100" (datacenter Blackwell, 227 KB, tcgen05), "sm80" (A100, 163 KB), "sm8x" (sm_86 / sm_87 / sm_89 / sm_12x and anything unknown: the small
     99 KB budget of the consumer and workstation parts, DGX Spark)."""
     major, minor = capability
     if major == 9:
         return "sm90"
+    if major == 10:
+        return "sm100"
     if major == 8 and minor == 0:
         return "sm80"
     return "sm8x"

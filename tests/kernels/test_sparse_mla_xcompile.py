@@ -88,16 +88,11 @@ def _worker(cc: int) -> None:
               flush=True)
 
 
-# Known failures, strict: the test turns red again (XPASS) once the launch tables stop emitting the tile.
 # The Triton a worker runs under: this interpreter's, and 3.5.1 from a cached venv (_triton35.py).
 TRITONS = ("installed", "3.5.1")
 
 # Known failures, strict: the test turns red again (XPASS) once the launch tables stop emitting the tile.
-TRAP_100 = ("the bf16 h64n16w8p2 tile (the sm8x table's 64-head bucket, which sm_100 falls into) is "
-            "lowered to a lone `trap` for sm_100a: a B200 would die at H > 32 with a bf16 cache")
 KNOWN_BAD = {
-    ("installed", 100): TRAP_100,
-    ("3.5.1", 100): TRAP_100,
     ("3.5.1", 121): "Triton 3.5.1 ships ptxas 12.8, which has no sm_121a (added in CUDA 12.9)",
 }
 
