@@ -10,6 +10,11 @@ import os
 
 import pytest
 
+# Triton fixes interpreted vs compiled mode for this process when `triton.language` is first imported, and the
+# kernel tests need interpreted kernels here (compiled ones are built in subprocesses started without the
+# variable). Set it before any test module is collected: tests/bench imports bench modules that import triton.
+import tools.triton_interp  # noqa: E402,F401  (sets TRITON_INTERPRET=1)
+
 TIMINGS: list[str] = []  # lines added by tests (e.g. apply/rollback wall time), shown in the summary
 
 # The skips CI accepts: (marker the test carries, start of the skip reason). The GPU tests skip on the
