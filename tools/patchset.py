@@ -6,8 +6,9 @@
     ... edit files under ~/.cache/dsa-overlay/edit/0.23.0/vllm/ (hooks only; logic goes to overlay/) ...
     python tools/patchset.py regen 0.23.0    # write patches/0.23.0/*.diff + manifest hashes from the edits
 
-Caches: ~/.cache/dsa-overlay/wheels/ (wheels), pristine/<X>/ (unpacked, site-packages layout),
-edit/<X>/ (edit trees). `fetch()` is also what the tests use to get pristine trees."""
+Caches: pristine/<X>/ (the wheel unpacked in site-packages layout without its compiled binaries, ~60 MB a
+release instead of 0.5-1.3 GB; the wheel itself is not kept), edit/<X>/ (edit trees), under ~/.cache/dsa-overlay.
+`fetch()` is also what the tests use to get pristine trees."""
 
 from __future__ import annotations
 
@@ -34,29 +35,44 @@ def pristine_dir(version: str) -> Path:
     return CACHE / "pristine" / version
 
 
+# Beside each pristine tree in this format (pristine/<X>.slim): its absence makes fetch() slim a tree an older
+# fetch unpacked whole. Outside the tree, which must hold the wheel's files and nothing else.
+_SLIM_SUFFIX = ".slim"
+
+
+def is_binary(name: str) -> bool:
+    """Wheel members fetch() leaves out: compiled libraries and executables, never a patch target (the engine
+    only patches and adds *.py), 90-95% of a vLLM wheel's bytes. The tests' RECORD checks skip them too."""
+    return name.endswith(".so") or ".so." in name.rsplit("/", 1)[-1] or name == "vllm/vllm-rs"
+
+
 def fetch(version: str, quiet: bool = False) -> Path:
-    """The unpacked pristine release `version` (site-packages layout), downloading the wheel if needed."""
+    """The unpacked pristine release `version` (site-packages layout, without compiled binaries), downloading
+    the wheel into a temporary folder if needed."""
     dest = pristine_dir(version)
+    slim = dest.with_name(version + _SLIM_SUFFIX)
     if (dest / f"vllm-{version}.dist-info" / "METADATA").is_file():
+        if not slim.is_file():  # unpacked whole by an older fetch: drop the binaries
+            for path in [p for p in dest.rglob("*") if p.is_file() and is_binary(p.relative_to(dest).as_posix())]:
+                path.unlink()
+            slim.write_text("")
         return dest
-    wheels = CACHE / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-    if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               f"vllm=={version}", "-d", str(wheels)]
-        subprocess.run(cmd + (["-q"] if quiet else []), check=True)
-        found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-    if not found:
-        raise UserError(f"pip download gave no vllm-{version} wheel in {wheels}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=dest.parent))
-    try:
-        with zipfile.ZipFile(found[-1]) as zf:
-            zf.extractall(tmp)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f".{version}-wheel-", dir=dest.parent) as wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               f"vllm=={version}", "-d", wheels]
+        subprocess.run(cmd + (["-q"] if quiet else []), check=True)
+        found = sorted(Path(wheels).glob(f"vllm-{version}-*.whl"))
+        if not found:
+            raise UserError(f"pip download gave no vllm-{version} wheel")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=dest.parent))
+        try:
+            with zipfile.ZipFile(found[-1]) as zf:
+                zf.extractall(tmp, [m for m in zf.namelist() if not is_binary(m)])
+            os.replace(tmp, dest)
+            slim.write_text("")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

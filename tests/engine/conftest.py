@@ -26,7 +26,9 @@ class Tree:
     def __init__(self, version: str, path: Path):
         self.version, self.path = version, path
         self.pristine = patchset.fetch(version, quiet=True)
-        self.record = _record(self.pristine / f"vllm-{version}.dist-info" / "RECORD")
+        self.record = {rel: digest for rel, digest in
+                       _record(self.pristine / f"vllm-{version}.dist-info" / "RECORD").items()
+                       if not patchset.is_binary(rel)}  # fetch() leaves compiled binaries out
         self.copy()
 
     def copy(self) -> None:
