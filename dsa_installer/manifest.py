@@ -8,6 +8,12 @@
     [[dropin]]                # src relative to this folder (common.toml: to the repository root);
     src = "x.py"              # a directory drops in its *.py files
     dest = "vllm/_dsa_overlay/x.py"
+
+Releases that share hook points form a family: `family = "0.20-0.23"` beside `vllm = ...` makes each
+[[patch]] `diff` resolve to the release folder's file when it has one (a per-release override) and
+otherwise to `patches/families/<family>/<diff>` (the shared hunks). The [[patch]] list and every
+`sha256` stay per release (pristine bytes differ even where the hunks are the same); the guarantees
+do not change: pristine hash check, zero-fuzz hunks, exact version match.
 """
 
 from __future__ import annotations
@@ -21,6 +27,11 @@ from . import resources
 from .errors import UserError
 
 DROPIN_ROOT = "vllm/_dsa_overlay"
+FAMILIES = "families"  # patches/families/<name>/: diffs shared by the releases whose manifest names <name>
+# Releases that get a real `pip install vllm==X` venv in CI (.ci/run, tests/vllm_envs.py); every
+# supported release gets the pristine-wheel tests whether or not it is listed here.
+VENV_RELEASES = ("0.16.0", "0.23.0")
+_FAMILY = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -60,7 +71,8 @@ def load(version: str) -> PatchSet:
     where = resources.display(manifest)
     if data.get("vllm") != version:
         raise UserError(f"{where}: `vllm = \"{version}\"` expected (got {data.get('vllm')!r}); fix the manifest")
-    patches = tuple(_patch(manifest, i, entry) for i, entry in enumerate(_tables(data, "patch", where), 1))
+    family = _family(data, where)
+    patches = tuple(_patch(manifest, i, entry, family) for i, entry in enumerate(_tables(data, "patch", where), 1))
     targets = [p.target for p in patches]
     dup = {t for t in targets if targets.count(t) > 1}
     if dup:
@@ -76,6 +88,19 @@ def load(version: str) -> PatchSet:
     if dup:
         raise UserError(f"{where}: {sorted(dup)[0]} is dropped in twice (manifest and common.toml); keep one entry")
     return PatchSet(version, manifest, patches, tuple(dropins))
+
+
+def _family(data: dict, where: str) -> Path | None:
+    """The family folder the manifest names (None without `family`)."""
+    name = data.get("family")
+    if name is None:
+        return None
+    if not isinstance(name, str) or not _FAMILY.fullmatch(name):
+        raise UserError(f"{where}: `family` must be a folder name under patches/{FAMILIES}/ (got {name!r}); fix the manifest")
+    folder = resources.patches_dir() / FAMILIES / name
+    if not folder.is_dir():
+        raise UserError(f"{where}: family folder {resources.display(folder)} is missing; restore it from git")
+    return folder
 
 
 def _read_toml(path: Path) -> dict:
@@ -105,14 +130,16 @@ def _rel(value: object, what: str, where: str, under: str = "vllm") -> str:
     return str(p)
 
 
-def _patch(manifest: Path, index: int, entry: dict) -> Patch:
+def _patch(manifest: Path, index: int, entry: dict, family: Path | None = None) -> Patch:
     where = f"{resources.display(manifest)} [[patch]] #{index}"
     diff, target, sha = entry.get("diff"), entry.get("target"), entry.get("sha256")
     if not isinstance(diff, str) or "/" in diff or not diff.endswith(".diff"):
-        raise UserError(f"{where}: `diff` must name a .diff file beside the manifest; fix the manifest")
+        raise UserError(f"{where}: `diff` must name a .diff file beside the manifest or in its family; fix the manifest")
     if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
         raise UserError(f"{where}: `sha256` must be 64 lowercase hex digits; regenerate with tools/patchset.py regen")
     path = manifest.parent / diff
+    if family is not None and not path.is_file():
+        path = family / diff
     if not path.is_file():
         raise UserError(f"{where}: {resources.display(path)} is missing; restore it from git")
     return Patch(path, _rel(target, "target", where), sha)

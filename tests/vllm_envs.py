@@ -1,6 +1,6 @@
 """Real vLLM installs for the CPU tests that import patched vLLM modules.
 
-`.ci/run` creates one venv per supported release under ~/.cache/dsa-overlay/venvs/vllm-<version>
+`.ci/run` creates one venv per release of `dsa_installer.manifest.VENV_RELEASES` under ~/.cache/dsa-overlay/venvs/vllm-<version>
 (`pip install vllm==<version>`, marked complete by a `.dsa-complete` file) before the tests run;
 `DSA_OVERLAY_VLLM_VENVS` points elsewhere. Tests never write into those venvs: `patched_site()`
 hard-links the venv's `vllm/` package and dist-info into a temporary site-packages and applies the

@@ -6,6 +6,20 @@
     ... edit files under ~/.cache/dsa-overlay/edit/0.23.0/vllm/ (hooks only; logic goes to overlay/) ...
     python tools/patchset.py regen 0.23.0    # write patches/0.23.0/*.diff + manifest hashes from the edits
 
+Families (patches/families/<name>/, see dsa_installer/manifest.py) hold the diffs that releases share:
+
+    python tools/patchset.py fetch 0.22.1
+    python tools/patchset.py edit 0.22.1 --family 0.20-0.23   # new release: the family's diffs that apply
+    ... port by hand the hooks `edit` reports as not applying ...
+    python tools/patchset.py regen 0.22.1 --family 0.20-0.23
+
+With a family (from --family or the release's manifest), regen keeps a target's diff in the family when
+the family's diff, applied to this release's pristine file, gives exactly the edited bytes (offsets are
+fine, fuzz is not); it writes a family diff that does not exist yet into the family; otherwise it writes
+a per-release override into patches/<X>/ (`--update-family` writes it into the family instead, for a
+hook changed for the whole family: then regen the family's other releases). The manifest keeps every
+target and its pristine sha256 per release.
+
 Caches: pristine/<X>/ (the wheel unpacked in site-packages layout without its compiled binaries, ~60 MB a
 release instead of 0.5-1.3 GB; the wheel itself is not kept), edit/<X>/ (edit trees), under ~/.cache/dsa-overlay.
 `fetch()` is also what the tests use to get pristine trees."""
@@ -76,8 +90,9 @@ def fetch(version: str, quiet: bool = False) -> Path:
     return dest
 
 
-def edit(version: str, where: Path | None = None) -> Path:
-    """A git tree of the release's *.py files: commit 'pristine', then the current patch set applied."""
+def edit(version: str, where: Path | None = None, family: str | None = None) -> Path:
+    """A git tree of the release's *.py files: commit 'pristine', then the current patch set applied (for a
+    release without a manifest yet, with `family`: every family diff that applies; the rest is reported)."""
     src = fetch(version)
     tree = where or CACHE / "edit" / version
     if tree.exists():
@@ -93,16 +108,26 @@ def edit(version: str, where: Path | None = None) -> Path:
     subprocess.run(git + ["commit", "-q", "-m", f"pristine vllm {version}"], check=True)
     subprocess.run(git + ["tag", "pristine"], check=True)
     p = plan.make(tree) if (REPO / "patches" / version / "manifest.toml").is_file() else None
+    changed = [c.target for c in p.changes] if p else []
     for c in p.changes if p else ():
         (tree / c.target).write_bytes(c.after)
-    if p and p.changes:
+    if p is None and family is not None:
+        for d in _family_diffs(REPO / "patches", family).values():
+            try:
+                (tree / d.target).write_bytes(hunks.apply((tree / d.target).read_bytes(), d)[0])
+                changed.append(d.target)
+            except (OSError, UserError) as exc:
+                click.echo(f"port by hand: {d.target} ({str(exc).split(':')[0]} does not apply)", err=True)
+    if changed:
         subprocess.run(git + ["commit", "-q", "-am", f"dsa-overlay patch set {version}"], check=True)
     return tree
 
 
-def regen(version: str, where: Path | None = None, patches: Path = REPO / "patches") -> list[str]:
-    """Write patches/<version>/<name>.diff for every file of the edit tree that differs from pristine and
-    rewrite the manifest's [[patch]] list (existing diff names and order kept); returns the targets."""
+def regen(version: str, where: Path | None = None, patches: Path = REPO / "patches", family: str | None = None,
+          update_family: bool = False) -> list[str]:
+    """Write patches/<version>/<name>.diff (or the family's, see the module docstring) for every file of the
+    edit tree that differs from pristine and rewrite the manifest's [[patch]] list (existing diff names and
+    order kept); returns the targets."""
     src, tree = fetch(version), where or CACHE / "edit" / version
     if not tree.is_dir():
         raise UserError(f"{tree}: no edit tree; run `edit {version}` first")
@@ -117,18 +142,54 @@ def regen(version: str, where: Path | None = None, patches: Path = REPO / "patch
     folder = patches / version
     folder.mkdir(parents=True, exist_ok=True)
     old = _read_manifest(folder / "manifest.toml")
-    names = {e["target"]: e["diff"] for e in old.get("patch", [])}
-    order = [t for t in names if t in changed] + [t for t in changed if t not in names]
+    family = family or old.get("family")
+    shared = _family_diffs(patches, family) if family else {}
+    names = {d.target: d.path.name for d in shared.values()} | {e["target"]: e["diff"] for e in old.get("patch", [])}
+    siblings = [d for m in sorted(patches.glob("*/manifest.toml")) if family and m.parent.name != version
+                and (d := _read_manifest(m)).get("family") == family]  # the family's other releases
+    listed = [e["target"] for e in (old if old or not siblings else siblings[-1]).get("patch", [])]
+    order = [t for t in listed if t in changed] + [t for t in changed if t not in listed]
     for target in set(names) - set(changed):
         (folder / names[target]).unlink(missing_ok=True)
     entries = []
     for target in order:
         name = names.get(target) or _diff_name(target, {e["diff"] for e in entries})
-        pristine = (src / target).read_bytes()
-        (folder / name).write_text(hunks.make_diff(pristine, (tree / target).read_bytes(), target), encoding="utf-8")
+        pristine, edited = (src / target).read_bytes(), (tree / target).read_bytes()
+        out = folder / name
+        if family:
+            fam = patches / manifest.FAMILIES / family / name
+            if not fam.is_file() or update_family:
+                (folder / name).unlink(missing_ok=True)
+                out = fam
+            elif _gives(fam, pristine, edited):
+                (folder / name).unlink(missing_ok=True)
+                out = None
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(hunks.make_diff(pristine, edited, target), encoding="utf-8")
         entries.append({"diff": name, "target": target, "sha256": fsops.sha256(pristine)})
-    _write_manifest(folder / "manifest.toml", version, entries, old.get("dropin", []))
+    _write_manifest(folder / "manifest.toml", version, entries, old.get("dropin", []), family)
+    if family:  # a family diff that no release of the family lists any more goes
+        listed = {e["diff"] for d in siblings + [_read_manifest(folder / "manifest.toml")] for e in d.get("patch", [])}
+        for name in set(shared) - listed:
+            (patches / manifest.FAMILIES / family / name).unlink()
     return order
+
+
+def _family_diffs(patches: Path, family: str) -> dict[str, hunks.FileDiff]:
+    """The family's diffs by file name; UserError if the family folder does not exist."""
+    folder = patches / manifest.FAMILIES / family
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such family; create it (a folder of shared diffs) or check the name")
+    return {p.name: hunks.parse(p) for p in sorted(folder.glob("*.diff"))}
+
+
+def _gives(diff: Path, pristine: bytes, edited: bytes) -> bool:
+    """Whether `diff` applied to `pristine` (offsets allowed, no fuzz) gives exactly `edited`."""
+    try:
+        return hunks.apply(pristine, hunks.parse(diff))[0] == edited
+    except UserError:
+        return False
 
 
 def _diff_name(target: str, taken: set[str]) -> str:
@@ -140,10 +201,10 @@ def _read_manifest(path: Path) -> dict:
     return manifest._read_toml(path) if path.is_file() else {}
 
 
-def _write_manifest(path: Path, version: str, patches: list[dict], dropins: list[dict]) -> None:
+def _write_manifest(path: Path, version: str, patches: list[dict], dropins: list[dict], family: str | None = None) -> None:
     q = lambda s: '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
     out = [f"# Patch set for vLLM {version}. [[patch]] entries are written by tools/patchset.py regen.",
-           f"vllm = {q(version)}", ""]
+           f"vllm = {q(version)}"] + ([f"family = {q(family)}"] if family else []) + [""]
     for e in patches:
         out += ["[[patch]]", f"diff = {q(e['diff'])}", f"target = {q(e['target'])}", f"sha256 = {q(e['sha256'])}", ""]
     for e in dropins:
@@ -166,9 +227,10 @@ def fetch_cmd(version: str) -> None:
 @cli.command("edit")
 @click.argument("version")
 @click.option("--dir", "where", type=click.Path(path_type=Path), help="Where to lay out the tree.")
-def edit_cmd(version: str, where: Path | None) -> None:
+@click.option("--family", help="For a release without a manifest: start from this family's diffs.")
+def edit_cmd(version: str, where: Path | None, family: str | None) -> None:
     """Lay out VERSION's *.py as a git tree with the current patch set applied."""
-    tree = edit(version, where)
+    tree = edit(version, where, family)
     click.echo(f"{tree}\nedit files there (`git diff pristine` shows the set), then: tools/patchset.py regen {version}"
                + (f" --dir {tree}" if where else ""))
 
@@ -178,9 +240,11 @@ def edit_cmd(version: str, where: Path | None) -> None:
 @click.option("--dir", "where", type=click.Path(path_type=Path), help="The edit tree (default: the cache's).")
 @click.option("--patches", type=click.Path(path_type=Path, file_okay=False), default=REPO / "patches",
               show_default=True, help="The patches/ folder to write into.")
-def regen_cmd(version: str, where: Path | None, patches: Path) -> None:
-    """Write patches/VERSION/*.diff and manifest hashes from the edit tree."""
-    for target in regen(version, where, patches):
+@click.option("--family", help="Share diffs through patches/families/FAMILY/ (default: the manifest's).")
+@click.option("--update-family", is_flag=True, help="Write differing diffs into the family, not the release.")
+def regen_cmd(version: str, where: Path | None, patches: Path, family: str | None, update_family: bool) -> None:
+    """Write patches/VERSION/*.diff (or the family's) and manifest hashes from the edit tree."""
+    for target in regen(version, where, patches, family, update_family):
         click.echo(f"patched: {target}")
 
 

@@ -20,8 +20,7 @@ def test_edit_then_regen_reproduces_the_committed_set(version, tmp_path):
     patches = tmp_path / "patches"
     shutil.copytree(resources.patches_dir(), patches)
     assert patchset.regen(version, tree, patches) == [p.target for p in ps.patches]
-    for name in ("manifest.toml", *(p.diff.name for p in ps.patches)):
-        assert (patches / version / name).read_bytes() == (resources.patches_dir() / version / name).read_bytes()
+    assert _files(patches) == _files(resources.patches_dir())  # the same files (release and family), same bytes
 
     # a maintainer adds a hook to another file: regen writes its diff and its pristine hash
     extra = "vllm/envs.py"
@@ -30,11 +29,17 @@ def test_edit_then_regen_reproduces_the_committed_set(version, tmp_path):
     assert patchset.regen(version, tree, patches)[-1] == extra
     text = (patches / version / "manifest.toml").read_text()
     assert f'target = "{extra}"\nsha256 = "{fsops.sha256(original)}"' in text
-    assert (patches / version / "envs.diff").read_text().startswith(f"--- a/{extra}\n+++ b/{extra}\n")
+    family = manifest._read_toml(patches / version / "manifest.toml").get("family")
+    where = patches / manifest.FAMILIES / family if family else patches / version  # a new family diff: shared
+    assert (where / "envs.diff").read_text().startswith(f"--- a/{extra}\n+++ b/{extra}\n")
 
     (tree / extra).write_bytes(original)  # and drops it again when the edit is undone
     assert patchset.regen(version, tree, patches) == [p.target for p in ps.patches]
-    assert not (patches / version / "envs.diff").exists()
+    assert _files(patches) == _files(resources.patches_dir())
+
+
+def _files(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_edit_refuses_an_existing_tree(tmp_path):

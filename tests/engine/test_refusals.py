@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_installer import engine, fsops, manifest
+from dsa_installer import engine, fsops, hunks, manifest, resources
 
 from .conftest import REPO, assert_error, cli
 
@@ -176,12 +176,13 @@ def test_leftover_dropin_folder_without_state(tree):
 def test_malformed_patch(tree, tmp_path, damage, message):
     copy = repo_copy(tmp_path / "repo")
     entry = manifest.load(tree.version).patches[0]
-    diff = copy / "patches" / tree.version / entry.diff.name
+    rel = entry.diff.relative_to(resources.patches_dir()).as_posix()  # the release's folder or its family's
+    diff = copy / "patches" / rel
     text = diff.read_text()
     header = text.split("\n")[2].strip()
     header = header[: header.rindex("@@") + 2]
     diff.write_text(damage(text))
-    expected = message.format(diff=f"patches/{tree.version}/{entry.diff.name}", header=header, target=entry.target)
+    expected = message.format(diff=f"patches/{rel}", header=header, target=entry.target)
     for args in ([], ["--dry-run"]):
         assert_error(cli("--vllm-site-packages", tree.path, *args, cwd=copy), expected)
     tree.assert_pristine()
@@ -201,10 +202,19 @@ def test_malformed_manifest(tree, tmp_path):
          f"{where} [[patch]] #1: target '/etc/transformers_utils/config.py' must be a relative path under vllm/; "
          "fix the manifest"),
         (text.replace('diff = "', 'diff = "missing-', 1),
-         f"{where} [[patch]] #1: patches/{tree.version}/missing-config.diff is missing; restore it from git"),
+         f"{where} [[patch]] #1: {resources.display(manifest.load(tree.version).patches[0].diff.parent)}"
+         "/missing-config.diff is missing; restore it from git"),
         (text.replace(f'vllm = "{tree.version}"', 'vllm = "0.0.1"'),
          f"{where}: `vllm = \"{tree.version}\"` expected (got '0.0.1'); fix the manifest"),
     ]
+    if "\nfamily = " in text:
+        family = manifest._read_toml(m)["family"]
+        cases += [
+            (text.replace(f'family = "{family}"', 'family = "../x"'),
+             f"{where}: `family` must be a folder name under patches/families/ (got '../x'); fix the manifest"),
+            (text.replace(f'family = "{family}"', 'family = "0.0-0.0"'),
+             f"{where}: family folder patches/families/0.0-0.0 is missing; restore it from git"),
+        ]
     for content, message in cases:
         m.write_text(content)
         proc = cli("--vllm-site-packages", tree.path, cwd=copy)
@@ -222,7 +232,7 @@ def test_force_version_needs_exact_context(trees):
     header = entry.diff.read_text().split("\n")[2]
     header = header[: header.rindex("@@") + 2]
     assert_error(cli("--vllm-site-packages", t.path, "--force-version", new),
-                 f"patches/{new}/{entry.diff.name}: hunk 1 ({header}) does not apply to {entry.target}: its "
+                 f"{resources.display(entry.diff)}: hunk 1 ({header}) does not apply to {entry.target}: its "
                  "context lines differ (zero fuzz); this patch set does not fit this vLLM build")
     t.assert_pristine()
 
@@ -240,8 +250,9 @@ def test_force_version_on_a_relabelled_release_is_recorded(tree):
         (site / rel).write_bytes(b"# shifted\n" * 5 + original)
         proc = cli("--vllm-site-packages", site, "--force-version", tree.version)
         assert proc.returncode == 0, proc.stderr
-        n_hunks = next(p for p in manifest.load(tree.version).patches if p.target == rel).diff.read_text().count("\n@@ ")
-        assert f"patched  {rel}  (hunks shifted by {[5] * n_hunks})" in proc.stdout
+        diff = hunks.parse(next(p for p in manifest.load(tree.version).patches if p.target == rel).diff)
+        shifts = [o + 5 for o in hunks.apply(original, diff)[1]]  # a family diff may sit at an offset already
+        assert f"patched  {rel}  (hunks shifted by {shifts})" in proc.stdout
         assert "forced onto vLLM 9.0.0 by --force-version" in proc.stdout
         st = json.loads(cli("status", "--vllm-site-packages", site, "--json").stdout)
         assert (st["state"], st["forced_version"], st["vllm_version"]) == ("applied", tree.version, "9.0.0")
