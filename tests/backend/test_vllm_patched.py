@@ -135,7 +135,8 @@ for t, r in enumerate([0, 1, 1, 1]):
     pos = local[t][local[t] >= 0].long()
     rows = torch.stack([cache[block_table[r, p // bs], p % bs] for p in pos]).float()
     ref = torch.softmax(q[t].float() @ rows.T * 0.1, -1) @ rows[:, :512]
-    errs.append((out[t].float() - ref).abs().max().item())
+    # the stand-in's only error is the final bf16 rounding: relative to each element, at most 2^-9
+    errs.append(((out[t].float() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item())
 print(json.dumps({"req_ids": md.req_id_per_token[:4].tolist(), "tail": int(md.req_id_per_token[4:].abs().sum()),
                   "shape": list(out.shape), "lse": lse, "max_err": max(errs),
                   "cg": str(tms.TritonMLASparseMetadataBuilder.get_cudagraph_support(cfg, None))}))
@@ -146,5 +147,5 @@ def test_builder_and_impl_with_standin_kernel(staged):
     out = run_json(staged, BUILDER_IMPL)
     assert out["req_ids"] == [0, 1, 1, 1] and out["tail"] == 0
     assert out["shape"] == [4, 5, 512] and out["lse"] is None
-    assert out["max_err"] < 3e-2
+    assert out["max_err"] <= 2 ** -8  # bf16 rounding (<= 2^-9 relative) with margin; a wrong block is O(1)
     assert out["cg"].endswith("UNIFORM_BATCH")
