@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -42,16 +43,16 @@ def test_unsupported_version_lists_the_supported_ones(tree):
     info = site / f"vllm-{tree.version}.dist-info"
     meta = info / "METADATA"
     original = meta.read_bytes()
-    moved = site / "vllm-0.17.1.dist-info"
+    moved = site / "vllm-0.15.1.dist-info"
     try:
-        meta.write_bytes(original.replace(f"Version: {tree.version}".encode(), b"Version: 0.17.1", 1))
+        meta.write_bytes(original.replace(f"Version: {tree.version}".encode(), b"Version: 0.15.1", 1))
         info.rename(moved)
-        assert_error(cli("--vllm-site-packages", site), f"vLLM 0.17.1 at {site} has no patch set (supported: "
+        assert_error(cli("--vllm-site-packages", site), f"vLLM 0.15.1 at {site} has no patch set (supported: "
                      f"{SUPPORTED}); install a supported release, or try a neighbouring set with --force-version")
         assert_error(cli("--vllm-site-packages", site, "--force-version", "9.9.9"),
                      f"--force-version 9.9.9: no such patch set (supported: {SUPPORTED})")
         st = json.loads(cli("status", "--vllm-site-packages", site, "--json").stdout)
-        assert (st["vllm_version"], st["supported"], st["state"]) == ("0.17.1", False, "not applied")
+        assert (st["vllm_version"], st["supported"], st["state"]) == ("0.15.1", False, "not applied")
         assert "not supported (supported: " in cli("status", "--vllm-site-packages", site).stdout
     finally:
         moved.rename(info)
@@ -170,7 +171,7 @@ def test_leftover_dropin_folder_without_state(tree):
     (lambda t: t.replace("\n ", "\n #", 1),
      "{diff}: hunk 1 ({header}) does not apply to {target}: its context lines differ (zero fuzz); this patch "
      "set does not fit this vLLM build"),
-    (lambda t: t.replace("+++ b/vllm/transformers_utils/config.py", "+++ b/vllm/transformers_utils/other.py"),
+    (lambda t: re.sub(r"^(\+\+\+ b/vllm/\S*)\.py", r"\1_other.py", t, count=1, flags=re.M),  # another file
      "{diff}: malformed patch (paths must be a/vllm/... and b/vllm/..., the same file); regenerate it"),
 ])
 def test_malformed_patch(tree, tmp_path, damage, message):
@@ -194,16 +195,17 @@ def test_malformed_manifest(tree, tmp_path):
     m = copy / "patches" / tree.version / "manifest.toml"
     text = m.read_text()
     where = f"patches/{tree.version}/manifest.toml"
+    first = manifest.load(tree.version).patches[0]
     cases = [
         (text + "[[patch\n", f"{where}: unreadable manifest ("),
         (text.replace('sha256 = "', 'sha256 = "zz', 1),
          f"{where} [[patch]] #1: `sha256` must be 64 lowercase hex digits; regenerate with tools/patchset.py regen"),
         (text.replace('target = "vllm/', 'target = "/etc/', 1),
-         f"{where} [[patch]] #1: target '/etc/transformers_utils/config.py' must be a relative path under vllm/; "
-         "fix the manifest"),
+         f"{where} [[patch]] #1: target '/etc/{first.target.removeprefix('vllm/')}' must be a relative path under "
+         "vllm/; fix the manifest"),
         (text.replace('diff = "', 'diff = "missing-', 1),
-         f"{where} [[patch]] #1: {resources.display(manifest.load(tree.version).patches[0].diff.parent)}"
-         "/missing-config.diff is missing; restore it from git"),
+         f"{where} [[patch]] #1: {resources.display(first.diff.parent)}/missing-{first.diff.name} is missing; "
+         "restore it from git"),
         (text.replace(f'vllm = "{tree.version}"', 'vllm = "0.0.1"'),
          f"{where}: `vllm = \"{tree.version}\"` expected (got '0.0.1'); fix the manifest"),
     ]
@@ -225,8 +227,8 @@ def test_malformed_manifest(tree, tmp_path):
 
 
 def test_force_version_needs_exact_context(trees):
-    assert len(manifest.supported_versions()) >= 2, "two patch sets ship (0.16.0, 0.23.0)"
-    old, new = manifest.supported_versions()[:2]
+    assert len(manifest.supported_versions()) >= 2, "several patch sets ship"
+    old, new = manifest.supported_versions()[0], manifest.supported_versions()[-1]  # hooks far apart
     t = trees(old)
     entry = manifest.load(new).patches[0]
     header = entry.diff.read_text().split("\n")[2]
