@@ -201,10 +201,22 @@ def _read_manifest(path: Path) -> dict:
     return manifest._read_toml(path) if path.is_file() else {}
 
 
+def _notes(path: Path) -> list[str]:
+    """The comment lines between an existing manifest's generated first line and its first key."""
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    notes = []
+    for line in lines[1:]:
+        if not line.startswith("#"):
+            break
+        notes.append(line)
+    return notes
+
+
 def _write_manifest(path: Path, version: str, patches: list[dict], dropins: list[dict], family: str | None = None) -> None:
     q = lambda s: '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
-    out = [f"# Patch set for vLLM {version}. [[patch]] entries are written by tools/patchset.py regen.",
-           f"vllm = {q(version)}"] + ([f"family = {q(family)}"] if family else []) + [""]
+    first = f"# Patch set for vLLM {version}. [[patch]] entries are written by tools/patchset.py regen."
+    notes = _notes(path)  # a maintainer's comment lines under the first one (e.g. why a hook is absent) stay
+    out = [first, *notes, f"vllm = {q(version)}"] + ([f"family = {q(family)}"] if family else []) + [""]
     for e in patches:
         out += ["[[patch]]", f"diff = {q(e['diff'])}", f"target = {q(e['target'])}", f"sha256 = {q(e['sha256'])}", ""]
     for e in dropins:
