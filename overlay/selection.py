@@ -13,6 +13,13 @@ Two layers, kept apart so the policy is unit-tested without vLLM:
   policy picks TRITON_MLA_SPARSE, logs one line saying why and returns the backend's class path.
   vLLM is imported lazily, only there.
 
+Which upstream candidates exist is the running release's business: `upstream_validation` asks the
+release's own priority list. From vLLM 0.24.0 that list has a sparse backend on SM12x,
+FLASHINFER_MLA_SPARSE_SM120, whose validation accepts kv caches auto / fp8 / fp8_e4m3 / fp8_ds_mla (it
+stores all four as fp8_ds_mla) with index_topk == 2048 and FlashInfer's sparse MLA API present; the
+policy keeps it there (unless the switch or an explicit choice forces Triton) and picks TRITON_MLA_SPARSE
+for the rest (`--kv-cache-dtype bfloat16`, any other index_topk, sm_8x, releases before 0.24.0).
+
 The portable switch: `DSA_OVERLAY_PORTABLE=1` makes a GPU where FlashMLA/DeepGEMM work (Hopper,
 Blackwell datacenter) behave like one where they do not: TRITON_MLA_SPARSE for attention and the
 Triton logits kernels in the sparse indexer (see `indexer_ops.py`).
@@ -101,6 +108,9 @@ def choose_sparse_backend(
     cc = _cc_str(capability)
     if not supports_capability(capability):
         return Decision(None, f"compute capability {cc} is below 8.0 (no Triton sparse MLA)")
+    valid = [name for name, reasons in upstream.items() if not reasons]
+    if valid and not portable:
+        return Decision(None, f"upstream {valid[0]} validates on cc {cc}")
     if not supports_kv_cache_dtype(kv_cache_dtype):
         return Decision(
             None,
@@ -109,9 +119,6 @@ def choose_sparse_backend(
         )
     if portable:
         return Decision(BACKEND_NAME, f"{PORTABLE_ENV}=1 is set (portable Triton path on cc {cc})")
-    valid = [name for name, reasons in upstream.items() if not reasons]
-    if valid:
-        return Decision(None, f"upstream {valid[0]} validates on cc {cc}")
     sparse_refusals = {
         name: list(reasons)
         for name, reasons in upstream.items()

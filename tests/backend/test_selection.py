@@ -16,32 +16,63 @@ from tests import vllm_envs
 
 REPO = Path(__file__).resolve().parents[2]
 
-# What the hook hands the policy for a GLM-5 sparse config (head 576, bf16): vLLM 0.23.0's MLA candidates'
-# own answers plus FlashMLA's undeclared index_topk limit, written out. The dense MLA backends refuse
-# sparse; FLASHMLA_SPARSE declares majors 9 and 10 and the kv-cache dtypes auto, bfloat16, fp8_ds_mla.
+# What the hook hands the policy for a GLM-5 sparse config (head 576, bf16, 64 heads, qk_nope 192): each
+# release's MLA candidates' own answers plus FlashMLA's undeclared index_topk limit, written out by hand from the
+# wheels. The dense MLA backends refuse sparse everywhere.
 NOT_SPARSE = ["sparse not supported"]
-TOPK_REASONS = {None: [], 2048: [], 256: [], 200: ["index_topk 200 is not a multiple of 128"]}
+TOPK_REASONS = {None: [], 2048: [], 512: [], 256: [], 200: ["index_topk 200 is not a multiple of 128"]}
+DENSE = {"FLASH_ATTN_MLA": ["head_size not supported", *NOT_SPARSE], "FLASHMLA": NOT_SPARSE,
+         "FLASHINFER_MLA": NOT_SPARSE, "TRITON_MLA": NOT_SPARSE}
 
 
-def upstream(cc, kv, topk):
-    flashmla_sparse = [] if cc[0] in (9, 10) else ["compute capability not supported"]
-    if kv not in ("auto", "bfloat16", "fp8_ds_mla"):
-        flashmla_sparse = flashmla_sparse + ["kv_cache_dtype not supported"]
-    return {
-        "FLASH_ATTN_MLA": ["head_size not supported", *NOT_SPARSE],
-        "FLASHMLA": NOT_SPARSE,
-        "FLASHINFER_MLA": NOT_SPARSE,
-        "TRITON_MLA": NOT_SPARSE,
-        "FLASHMLA_SPARSE": flashmla_sparse + TOPK_REASONS[topk],
-    }
+def flashmla_sparse(cc, kv, topk, kv_dtypes=("auto", "bfloat16", "fp8_ds_mla")):
+    """FLASHMLA_SPARSE: majors 9 and 10, its kv-cache dtypes, index_topk % 128 == 0 (the overlay's extra)."""
+    reasons = [] if cc[0] in (9, 10) else ["compute capability not supported"]
+    if kv not in kv_dtypes:
+        reasons = reasons + ["kv_cache_dtype not supported"]
+    return reasons + TOPK_REASONS[topk]
+
+
+def upstream_023(cc, kv, topk):
+    """vLLM 0.20.0-0.23.0 (as 0.23.0's wheel; its sm_100 FlashInfer sparse candidate left out)."""
+    return {**DENSE, "FLASHMLA_SPARSE": flashmla_sparse(cc, kv, topk)}
+
+
+def upstream_024(release):
+    """vLLM 0.24.0 (release "0.24.0") or 0.25.0/0.25.1 ("0.25"), read from the wheels' platforms/cuda.py
+    priority lists and each sparse backend's validate_configuration:
+    - sm_100: FLASHINFER_MLA_SPARSE (kv auto/float16/bfloat16/fp8/fp8_e4m3, not fp8_ds_mla; qk_nope 128 or 192;
+      any index_topk) before FLASHMLA_SPARSE for quantized caches, after it for bf16 at 64 heads;
+    - sm_90 (0.25 only): FLASH_ATTN_MLA_SPARSE (FA3; kv auto/float16/bfloat16; any index_topk) before
+      FLASHMLA_SPARSE (which also takes "fp8" as an alias of fp8_ds_mla from 0.24);
+    - sm_12x: TRITON_MLA (dense) then FLASHINFER_MLA_SPARSE_SM120 (kv auto/fp8/fp8_e4m3/fp8_ds_mla, all stored as
+      fp8_ds_mla; index_topk == 2048 when a model config is in context; FlashInfer's sparse MLA API present)."""
+    def upstream(cc, kv, topk):
+        fmla = flashmla_sparse(cc, kv, topk, ("auto", "bfloat16", "fp8_ds_mla", "fp8"))
+        if cc[0] == 12:
+            sm120 = [] if kv in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla") else ["kv_cache_dtype not supported"]
+            if topk not in (None, 2048):
+                sm120 = sm120 + [f"FLASHINFER_MLA_SPARSE_SM120 requires index_topk=2048; got {topk}"]
+            return {"TRITON_MLA": NOT_SPARSE, "FLASHINFER_MLA_SPARSE_SM120": sm120}
+        if cc[0] == 10:
+            fi = [] if kv in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3") else [
+                "FLASHINFER_MLA_SPARSE SM10 does not support fp8_ds_mla kv-cache dtype"]
+            pair = ({"FLASHINFER_MLA_SPARSE": fi, "FLASHMLA_SPARSE": fmla} if kv in ("fp8", "fp8_e4m3", "fp8_ds_mla")
+                    else {"FLASHMLA_SPARSE": fmla, "FLASHINFER_MLA_SPARSE": fi})
+            return {**DENSE, **pair}
+        fa = [] if cc[0] == 9 else ["compute capability not supported"]
+        if kv not in ("auto", "float16", "bfloat16"):
+            fa = fa + ["kv_cache_dtype not supported"]
+        return {**DENSE, **({"FLASH_ATTN_MLA_SPARSE": fa} if release == "0.25" else {}), "FLASHMLA_SPARSE": fmla}
+    return upstream
 
 
 # README: TRITON_MLA_SPARSE is picked whenever no upstream sparse backend accepts the configuration and when
 # FlashMLA cannot run the model (index_topk not a multiple of 128); it needs cc >= 8.0 and reads auto /
-# bfloat16 / fp8_ds_mla caches; DSA_OVERLAY_PORTABLE=1 makes Hopper/Blackwell datacenter behave like the rest.
+# bfloat16 / fp8_ds_mla caches; DSA_OVERLAY_PORTABLE=1 makes every GPU behave like one without vendor kernels.
 # Each cell: as shipped, then with DSA_OVERLAY_PORTABLE=1.
-#   T = TRITON_MLA_SPARSE   U = upstream's FLASHMLA_SPARSE stays   - = neither (upstream's own error stands)
-GRID = """
+#   T = TRITON_MLA_SPARSE   U = upstream's first accepting sparse backend stays   - = neither (upstream decides)
+GRID_023 = """
 cc    index_topk  auto  bfloat16  fp8_ds_mla  fp8
 7.5   2048        --    --        --          --
 7.5   200         --    --        --          --
@@ -60,29 +91,63 @@ cc    index_topk  auto  bfloat16  fp8_ds_mla  fp8
 12.1  2048        TT    TT        TT          --
 """
 
+# 0.24.0-0.25.1: SM12x keeps FLASHINFER_MLA_SPARSE_SM120 for the caches it stores as fp8_ds_mla at index_topk 2048
+# (and with no model config in context, where it cannot check); a bfloat16 cache or another top-k gets Triton.
+# An "fp8" cache Triton cannot read stays with an upstream backend that accepts it (U-).
+GRID_024 = """
+cc    index_topk  auto  bfloat16  fp8_ds_mla  fp8
+7.5   2048        --    --        --          --
+8.0   2048        TT    TT        TT          --
+8.6   200         TT    TT        TT          --
+8.9   2048        TT    TT        TT          --
+9.0   2048        UT    UT        UT          U-
+9.0   200         TT    TT        TT          --
+10.0  2048        UT    UT        UT          U-
+10.0  200         UT    UT        TT          U-
+12.0  2048        UT    TT        UT          U-
+12.0  None        UT    TT        UT          U-
+12.0  256         TT    TT        TT          --
+12.0  200         TT    TT        TT          --
+12.1  2048        UT    TT        UT          U-
+12.1  512         TT    TT        TT          --
+"""
+# 0.25.0/0.25.1 differ from 0.24.0 on sm_90 only: FLASH_ATTN_MLA_SPARSE takes bf16 caches at any top-k.
+GRID_025 = GRID_024.replace("9.0   200         TT    TT        TT          --",
+                            "9.0   200         UT    UT        TT          --")
+assert GRID_025 != GRID_024
+
+MODELS = {"0.20-0.23": (upstream_023, GRID_023), "0.24.0": (upstream_024("0.24.0"), GRID_024),
+          "0.25": (upstream_024("0.25"), GRID_025)}
+
 
 def grid_cases() -> list:
-    header, *rows = [line.split() for line in GRID.strip().splitlines()]
-    return [pytest.param(tuple(map(int, cc.split("."))), kv, None if topk == "None" else int(topk), portable, symbol,
-                         id=f"cc{cc}-{kv}-topk{topk}-{'portable' if portable else 'default'}")
-            for cc, topk, *cells in rows
-            for kv, cell in zip(header[2:], cells, strict=True)
-            for portable, symbol in zip((False, True), cell, strict=True)]
+    cases = []
+    for release, (_, grid) in MODELS.items():
+        header, *rows = [line.split() for line in grid.strip().splitlines()]
+        cases += [pytest.param(release, tuple(map(int, cc.split("."))), kv, None if topk == "None" else int(topk),
+                               portable, symbol,
+                               id=f"{release}-cc{cc}-{kv}-topk{topk}-{'portable' if portable else 'default'}")
+                  for cc, topk, *cells in rows
+                  for kv, cell in zip(header[2:], cells, strict=True)
+                  for portable, symbol in zip((False, True), cell, strict=True)]
+    return cases
 
 
-@pytest.mark.parametrize("cc, kv, topk, portable, symbol", grid_cases())
-def test_policy_table(cc, kv, topk, portable, symbol):
-    d = sel.choose_sparse_backend(cc, True, kv, upstream(cc, kv, topk), portable=portable)
+@pytest.mark.parametrize("release, cc, kv, topk, portable, symbol", grid_cases())
+def test_policy_table(release, cc, kv, topk, portable, symbol):
+    up = MODELS[release][0](cc, kv, topk)
+    d = sel.choose_sparse_backend(cc, True, kv, up, portable=portable)
     where = f"cc {cc[0]}.{cc[1]}"
     if symbol == "T":
         assert d.backend == "TRITON_MLA_SPARSE"
         if portable:
             assert d.reason == f"DSA_OVERLAY_PORTABLE=1 is set (portable Triton path on {where})"
-        else:  # the log line names the refused upstream sparse backend and why, not the dense ones
-            why = ", ".join(upstream(cc, kv, topk)["FLASHMLA_SPARSE"])
-            assert d.reason == f"no upstream sparse MLA backend validates on {where} (FLASHMLA_SPARSE: {why})"
+        else:  # the log line names the refused upstream sparse backends and why, not the dense ones
+            why = "; ".join(f"{n}: {', '.join(r)}" for n, r in up.items() if r != NOT_SPARSE and n not in DENSE)
+            assert d.reason == f"no upstream sparse MLA backend validates on {where} ({why})"
     elif symbol == "U":
-        assert (d.backend, d.reason) == (None, f"upstream FLASHMLA_SPARSE validates on {where}")
+        first = next(n for n, r in up.items() if not r)
+        assert (d.backend, d.reason) == (None, f"upstream {first} validates on {where}")
     else:
         assert d.backend is None
         if cc < (8, 0):
@@ -93,7 +158,7 @@ def test_policy_table(cc, kv, topk, portable, symbol):
 
 
 def test_explicit_choice_is_left_to_vllm_even_with_switch():
-    d = sel.choose_sparse_backend((9, 0), True, "auto", upstream((9, 0), "auto", 2048),
+    d = sel.choose_sparse_backend((9, 0), True, "auto", upstream_023((9, 0), "auto", 2048),
                                   explicit="FLASHMLA_SPARSE", portable=True)
     assert (d.backend, d.reason) == (None, "explicit --attention-backend FLASHMLA_SPARSE")
 
@@ -105,7 +170,7 @@ def test_not_sparse_untouched():
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e4m3", "float16"])
 def test_unsupported_kv_dtype_explains(kv):
-    d = sel.choose_sparse_backend((8, 0), True, kv, upstream((8, 0), kv, 2048))
+    d = sel.choose_sparse_backend((8, 0), True, kv, upstream_023((8, 0), kv, 2048))
     assert d.backend is None
     assert d.reason == (f"kv-cache dtype {kv} is not one TRITON_MLA_SPARSE reads (auto, bfloat16, fp8_ds_mla); "
                         "use --kv-cache-dtype fp8_ds_mla")
