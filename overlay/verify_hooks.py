@@ -2,17 +2,20 @@
 
 Called by the engine's `verify.py` inside the target environment (vLLM importable and patched;
 works on a CPU-only machine given a stub libcuda). For compute capabilities 8.0, 8.6, 8.9, 9.0,
-10.0, 12.0 and 12.1 and kv-cache dtypes bf16 (`auto`) and `fp8_ds_mla`, it asks the patched
-`CudaPlatformBase.get_attn_backend_cls` for a GLM-5 config (head_size 576, MLA, sparse, bf16,
-64 heads) three ways: as shipped (switch off), with `DSA_OVERLAY_PORTABLE=1`, and with an explicit
-`--attention-backend TRITON_MLA_SPARSE`.
+10.0, 12.0 and 12.1, kv-cache dtypes `auto`, `bfloat16` and `fp8_ds_mla` and index_topk 2048, 256
+and 200, it asks the patched `CudaPlatformBase.get_attn_backend_cls` for a GLM-5 config (head_size
+576, MLA, sparse, bf16, 64 heads; the index_topk in a model config in context, where upstream's
+validations read it) three ways: as shipped (switch off), with `DSA_OVERLAY_PORTABLE=1`, and with
+an explicit `--attention-backend TRITON_MLA_SPARSE`.
 
     print(report())             # markdown table; raises SelectionTableError listing wrong rows
     rep = selection_report()    # the rows, rep.ok, rep.problems
 
-Expectations checked: capabilities without an upstream sparse kernel (8.x, 12.x) get
-TRITON_MLA_SPARSE; 9.0 and 10.0 keep upstream's choice; the portable switch and the explicit choice
-give TRITON_MLA_SPARSE everywhere.
+Expectations checked: sm_8x (no upstream sparse kernel in any release) gets TRITON_MLA_SPARSE; the
+other capabilities get what the policy (`selection.choose_sparse_backend`) makes of the release's own
+candidates: upstream's where one validates (FLASHMLA_SPARSE on 9.x/10.x, from 0.24.0
+FLASHINFER_MLA_SPARSE_SM120 on 12.x for fp8 caches at index_topk 2048, ...), TRITON_MLA_SPARSE
+otherwise; the portable switch and the explicit choice give TRITON_MLA_SPARSE everywhere.
 
 On a machine without a GPU some upstream candidates cannot even be imported (FlashInfer allocates
 a CUDA tensor at import). When upstream's own loop fails that way, the row shows the first
@@ -21,16 +24,22 @@ candidate that validates, marked "(by validation)".
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import types
 from dataclasses import dataclass, field
 
-from .selection import BACKEND_NAME, PORTABLE_ENV, upstream_validation
+from .selection import BACKEND_NAME, PORTABLE_ENV, choose_sparse_backend, upstream_validation
 
 CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1))
-KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
-UPSTREAM_SPARSE_MAJORS = (9, 10)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_ds_mla")
+# GLM-5 / DeepSeek-V3.2 (2048); small models (256); not a multiple of 128 (FlashMLA refuses it).
+INDEX_TOPKS = (2048, 256, 200)
 GLM5_HEADS = 64
+# The GLM-5 fields upstream's sparse validations read from the model config (besides index_topk).
+GLM5_HF_FIELDS = {"model_type": "glm_moe_dsa", "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                  "kv_lora_rank": 512, "v_head_dim": 256}
 
 
 @dataclass
@@ -44,12 +53,12 @@ class SelectionReport:
 
     def __str__(self) -> str:
         lines = [
-            "| cc | kv cache | selected | with DSA_OVERLAY_PORTABLE=1 | explicit TRITON_MLA_SPARSE |",
-            "|---|---|---|---|---|",
+            "| cc | kv cache | index_topk | selected | with DSA_OVERLAY_PORTABLE=1 | explicit TRITON_MLA_SPARSE |",
+            "|---|---|---|---|---|---|",
         ]
         for r in self.rows:
             lines.append(
-                f"| {r['cc']} | {r['kv_cache_dtype']} | {r['default']} | {r['portable']} | "
+                f"| {r['cc']} | {r['kv_cache_dtype']} | {r['index_topk']} | {r['default']} | {r['portable']} | "
                 f"{r['explicit']} |"
             )
         return "\n".join(lines)
@@ -79,6 +88,19 @@ def _glm5_config(kv_cache_dtype):
         use_mla=True,
         use_sparse=True,
     )
+
+
+@contextlib.contextmanager
+def _glm5_model(index_topk):
+    """A vLLM config in context whose model is GLM-5 with `index_topk` (no checkpoint needed: the model
+    config is a stand-in carrying the fields the selection reads)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    hf = types.SimpleNamespace(**GLM5_HF_FIELDS, index_topk=index_topk)
+    object.__setattr__(config, "model_config", types.SimpleNamespace(hf_config=hf, hf_text_config=hf))
+    with set_current_vllm_config(config):
+        yield
 
 
 def _name_of(path: str) -> str:
@@ -123,33 +145,47 @@ def _select(capability, kv_cache_dtype, explicit=None, portable=False) -> str:
             os.environ[PORTABLE_ENV] = old
 
 
-def _problems_for(row, capability) -> list[str]:
-    where = f"cc {row['cc']}, kv {row['kv_cache_dtype']}"
+def _expected(capability, kv_cache_dtype) -> str:
+    """What the policy makes of this release's own candidates here (the hook's contract)."""
+    from vllm.platforms.interface import DeviceCapability
+
+    up = upstream_validation(DeviceCapability(*capability), _glm5_config(kv_cache_dtype), GLM5_HEADS)
+    decision = choose_sparse_backend(capability, True, kv_cache_dtype, up)
+    if decision.backend is not None:
+        return decision.backend
+    return next((name for name, reasons in up.items() if not reasons), "error")
+
+
+def _problems_for(row, capability, expected) -> list[str]:
+    where = f"cc {row['cc']}, kv {row['kv_cache_dtype']}, index_topk {row['index_topk']}"
+    want = BACKEND_NAME if capability[0] == 8 else expected
     out = []
-    if capability[0] in UPSTREAM_SPARSE_MAJORS:
-        if row["default"].startswith(BACKEND_NAME) or row["default"].startswith("error"):
-            out.append(f"{where}: expected an upstream sparse backend, got {row['default']}")
-    elif row["default"] != BACKEND_NAME:
-        out.append(f"{where}: expected {BACKEND_NAME}, got {row['default']}")
+    if row["default"].split(" (")[0] != want:
+        out.append(f"{where}: expected {want}, got {row['default']}")
     for col in ("portable", "explicit"):
         if row[col] != BACKEND_NAME:
             out.append(f"{where} ({col}): expected {BACKEND_NAME}, got {row[col]}")
     return out
 
 
-def selection_report(capabilities=CAPABILITIES, kv_cache_dtypes=KV_CACHE_DTYPES) -> SelectionReport:
+def selection_report(capabilities=CAPABILITIES, kv_cache_dtypes=KV_CACHE_DTYPES,
+                     index_topks=INDEX_TOPKS) -> SelectionReport:
     rep = SelectionReport()
     for cap in capabilities:
         for kv in kv_cache_dtypes:
-            row = {
-                "cc": f"{cap[0]}.{cap[1]}",
-                "kv_cache_dtype": "bf16 (auto)" if kv == "auto" else kv,
-                "default": _select(cap, kv),
-                "portable": _select(cap, kv, portable=True),
-                "explicit": _select(cap, kv, explicit=BACKEND_NAME),
-            }
-            rep.rows.append(row)
-            rep.problems.extend(_problems_for(row, cap))
+            for topk in index_topks:
+                with _glm5_model(topk):
+                    row = {
+                        "cc": f"{cap[0]}.{cap[1]}",
+                        "kv_cache_dtype": kv,
+                        "index_topk": topk,
+                        "default": _select(cap, kv),
+                        "portable": _select(cap, kv, portable=True),
+                        "explicit": _select(cap, kv, explicit=BACKEND_NAME),
+                    }
+                    expected = _expected(cap, kv)
+                rep.rows.append(row)
+                rep.problems.extend(_problems_for(row, cap, expected))
     return rep
 
 

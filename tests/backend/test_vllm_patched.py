@@ -55,14 +55,15 @@ def test_selection_table(staged):
         assert verify_hooks.report() == str(rep)
         print(json.dumps({"rows": rep.rows, "problems": rep.problems, "table": str(rep)}))
     """, env={"DSA_OVERLAY_PORTABLE": "0"})
-    rows = {(r["cc"], r["kv_cache_dtype"]): r for r in out["rows"]}
-    for cc in ("8.0", "8.6", "8.9", "12.0", "12.1"):
-        for kv in ("bf16 (auto)", "fp8_ds_mla"):
-            assert rows[cc, kv]["default"] == "TRITON_MLA_SPARSE", out["table"]
-    for kv in ("bf16 (auto)", "fp8_ds_mla"):
-        assert rows["9.0", kv]["explicit"] == "TRITON_MLA_SPARSE"
-        assert rows["9.0", kv]["portable"] == "TRITON_MLA_SPARSE"
-        assert rows["9.0", kv]["default"].startswith("FLASHMLA_SPARSE")
+    rows = {(r["cc"], r["kv_cache_dtype"], r["index_topk"]): r for r in out["rows"]}
+    for cc in ("8.0", "8.6", "8.9", "12.0", "12.1"):  # 12.x: no upstream sparse backend before 0.24.0
+        for kv in ("auto", "bfloat16", "fp8_ds_mla"):
+            assert rows[cc, kv, 2048]["default"] == "TRITON_MLA_SPARSE", out["table"]
+    for kv in ("auto", "bfloat16", "fp8_ds_mla"):
+        assert rows["9.0", kv, 2048]["explicit"] == "TRITON_MLA_SPARSE"
+        assert rows["9.0", kv, 2048]["portable"] == "TRITON_MLA_SPARSE"
+        assert rows["9.0", kv, 2048]["default"].startswith("FLASHMLA_SPARSE")
+        assert rows["9.0", kv, 200]["default"] == "TRITON_MLA_SPARSE"  # FlashMLA needs index_topk % 128 == 0
     assert out["problems"] == [], out["table"]
 
 

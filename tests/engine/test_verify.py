@@ -120,10 +120,11 @@ def test_verify_in_the_real_vllm_venv_passes(version, tmp_path):
         (n, True, None) for n in targets + overlay_modules()]
     assert r["hooks"]["ok"] is True
     table = r["hooks"]["report"].splitlines()
-    assert table[0] == "| cc | kv cache | selected | with DSA_OVERLAY_PORTABLE=1 | explicit TRITON_MLA_SPARSE |"
-    assert [row.split(" | ")[:2] for row in table[2:]] == [
-        [f"| {cc}", kv] for cc in ("8.0", "8.6", "8.9", "9.0", "10.0", "12.0", "12.1")
-        for kv in ("bf16 (auto)", "fp8_ds_mla")]
+    assert table[0] == ("| cc | kv cache | index_topk | selected | with DSA_OVERLAY_PORTABLE=1 | "
+                        "explicit TRITON_MLA_SPARSE |")
+    assert [row.split(" | ")[:3] for row in table[2:]] == [
+        [f"| {cc}", kv, topk] for cc in ("8.0", "8.6", "8.9", "9.0", "10.0", "12.0", "12.1")
+        for kv in ("auto", "bfloat16", "fp8_ds_mla") for topk in ("2048", "256", "200")]
     assert r["selftest"] == expected_selftest(_torch_sees_cuda(str(python), env))
     assert r["ok"] is True
 
