@@ -56,9 +56,12 @@ def test_selection_table(staged):
         print(json.dumps({"rows": rep.rows, "problems": rep.problems, "table": str(rep)}))
     """, env={"DSA_OVERLAY_PORTABLE": "0"})
     rows = {(r["cc"], r["kv_cache_dtype"], r["index_topk"]): r for r in out["rows"]}
-    for cc in ("8.0", "8.6", "8.9", "12.0", "12.1"):  # 12.x: no upstream sparse backend before 0.24.0
+    for cc in ("8.0", "8.6", "8.9"):
         for kv in ("auto", "bfloat16", "fp8_ds_mla"):
             assert rows[cc, kv, 2048]["default"] == "TRITON_MLA_SPARSE", out["table"]
+    for cc in ("12.0", "12.1"):  # the fp8 caches at top-k 2048 per release: test_selection.test_sm12x_rows_in_real_vllm
+        assert rows[cc, "bfloat16", 2048]["default"] == "TRITON_MLA_SPARSE", out["table"]
+        assert rows[cc, "fp8_ds_mla", 256]["default"] == "TRITON_MLA_SPARSE", out["table"]
     for kv in ("auto", "bfloat16", "fp8_ds_mla"):
         assert rows["9.0", kv, 2048]["explicit"] == "TRITON_MLA_SPARSE"
         assert rows["9.0", kv, 2048]["portable"] == "TRITON_MLA_SPARSE"
