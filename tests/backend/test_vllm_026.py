@@ -87,19 +87,7 @@ def run(seed, reqs, kv_format, layer):
     sc = scenario(seed, reqs, NUM_BLOCKS)
     g = sc["g"]
     T = len(sc["pos"])
-    dense = [torch.randn(s, 576, generator=g) for s, _ in sc["reqs"]]
-    if kv_format == "bf16":
-        cache = torch.full((NUM_BLOCKS, BS, 576), float("nan"), dtype=torch.bfloat16)
-        exact = [d.to(torch.bfloat16).double() for d in dense]
-        rows = [d.to(torch.bfloat16) for d in dense]
-    else:
-        cache = torch.full((NUM_BLOCKS, BS, 656), 0xFF, dtype=torch.uint8)   # NaN bytes
-        enc = [quantize_fp8_ds_mla(d) for d in dense]
-        rows = [e[0] for e in enc]
-        exact = [e[1] for e in enc]
-    for r, (s, _) in enumerate(sc["reqs"]):
-        for p in range(s):
-            cache[int(sc["bt"][r, p // BS]), p % BS] = rows[r][p]
+    cache, exact = latent_cache(sc, kv_format, NUM_BLOCKS)
     buf = torch.full((64, TOPK), -7, dtype=torch.int32)     # the indexer's output; rows past T never read
     chosen = []
     for t, (p, r) in enumerate(zip(sc["pos"], sc["req"])):
