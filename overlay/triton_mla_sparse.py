@@ -24,6 +24,7 @@ without vLLM, only the declarative backend class is usable (its bases become pla
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -56,24 +57,32 @@ except ImportError:  # a checkout without vLLM: keep the declarations importable
     AttentionCGSupport = AttentionLayer = CommonAttentionMetadata = None
     VllmConfig = AttentionSpec = None
 
-if not HAVE_VLLM:
-    SHARED_SPARSE_BASES = False
-    _ImplBase = _BuilderBase = _Placeholder
+SPARSE_COMMON_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"  # vLLM 0.26+
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package this release does not have
+        return False
+
+
+# 0.26+: the bases upstream's sparse backends share (dense-MHA prefill included); 0.16-0.25: the sparse
+# impl base and the plain builder. Chosen by the module's presence, so an import error inside it shows.
+SHARED_SPARSE_BASES = HAVE_VLLM and _has_module(SPARSE_COMMON_MODULE)
+if SHARED_SPARSE_BASES:
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SparseMLACommonImpl as _ImplBase,
+    )
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SparseMLACommonMetadataBuilder as _BuilderBase,
+    )
+elif HAVE_VLLM:
+    from vllm.v1.attention.backend import SparseMLAAttentionImpl as _ImplBase
+
+    _BuilderBase = AttentionMetadataBuilder
 else:
-    try:  # 0.26+: the sparse bases upstream's sparse backends share (dense-MHA prefill included)
-        from vllm.model_executor.layers.attention.sparse_mla_attention import (
-            SparseMLACommonImpl as _ImplBase,
-        )
-        from vllm.model_executor.layers.attention.sparse_mla_attention import (
-            SparseMLACommonMetadataBuilder as _BuilderBase,
-        )
-
-        SHARED_SPARSE_BASES = True
-    except ImportError:  # 0.16-0.25
-        from vllm.v1.attention.backend import SparseMLAAttentionImpl as _ImplBase
-
-        _BuilderBase = AttentionMetadataBuilder
-        SHARED_SPARSE_BASES = False
+    _ImplBase = _BuilderBase = _Placeholder
 
 BLOCK_SIZE = 64  # what vLLM's sparse indexer (DeepseekV32IndexerBackend) requires on CUDA
 
