@@ -6,7 +6,8 @@ the Triton interpreter, against a dense float64 reference that never reads the p
 0.26's MLAAttention.forward_impl sends the first `num_decode_tokens` tokens to `forward_mqa` and, when
 `prefill_max_seq_len <= topk_tokens` and a dense prefill backend exists, the prefills to dense MHA;
 otherwise every token to `forward_mqa`. The tests build the metadata with the real builder and feed
-`forward_mqa` exactly those slices (the dense-MHA prefill itself is upstream's CUDA code: GPU only).
+`forward_mqa` exactly those slices; a stand-in prefill backend receives the dense-MHA prefill metadata
+the shared builder makes (the dense-MHA prefill itself is upstream's CUDA code: GPU only).
 """
 
 import pytest
@@ -52,9 +53,18 @@ print(json.dumps({
 
 
 BACKEND = """
+import vllm.utils.torch_utils as torch_utils
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm._dsa_overlay import triton_mla_sparse as tms
 from vllm._dsa_overlay.kernels import sparse_mla as K
+
+# The shared builder pins host memory (PIN_MEMORY; pin_memory=True in build_mla_chunked_context_metadata):
+# no driver to pin it with on this machine, so pinning is dropped; nothing else changes.
+torch_utils.PIN_MEMORY = False
+for _name in ("empty", "zeros"):
+    def _unpinned(*a, _f=getattr(torch, _name), pin_memory=False, **kw):
+        return _f(*a, **kw)
+    setattr(torch, _name, _unpinned)
 
 assert type(K._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
 assert tms.SHARED_SPARSE_BASES
@@ -62,7 +72,15 @@ assert tms.SHARED_SPARSE_BASES
 H, TOPK, NUM_BLOCKS = 3, 40, 12
 SCALE = (192 + 64) ** -0.5 * 1.37
 
-def vllm_config(prefill_backend=None):
+class PrefillBackend:   # stands in for the CUDA dense-MHA prefill backend the layer holds on a GPU
+    def __init__(self):
+        self.prepared = []
+    def clone(self):
+        return self
+    def prepare_metadata(self, prefill):
+        self.prepared.append(prefill)
+
+def vllm_config(prefill_backend):
     hf = types.SimpleNamespace(index_topk=TOPK, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192,
                                v_head_dim=256, q_lora_rank=None)
     return types.SimpleNamespace(
@@ -95,8 +113,9 @@ def run(seed, reqs, kv_format, layer):
         chosen.append(sel)
         buf[t] = -1
         buf[t, : sel.numel()] = sel.to(torch.int32)
-    builder = tms.TritonMLASparseMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"], vllm_config(),
-                                                 torch.device("cpu"))
+    prefill_backend = PrefillBackend()
+    builder = tms.TritonMLASparseMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"],
+                                                 vllm_config(prefill_backend), torch.device("cpu"))
     seq_lens = torch.tensor([s for s, _ in sc["reqs"]], dtype=torch.int32)
     cm = CommonAttentionMetadata(
         query_start_loc=sc["qsl"], query_start_loc_cpu=sc["qsl"], seq_lens=seq_lens,
@@ -114,6 +133,10 @@ def run(seed, reqs, kv_format, layer):
     # forward_impl's split: decodes through MQA; prefills through dense MHA when they fit in top-k and a
     # prefill backend exists (it does on a GPU), else through MQA as well. Both MQA slices are checked.
     mha = md.num_prefills > 0 and md.prefill_max_seq_len <= md.topk_tokens
+    pm = md.prefill
+    prefill = None if pm is None else dict(
+        prepared=prefill_backend.prepared == [pm], qsl=pm.query_start_loc.tolist(), max_q=pm.max_query_len,
+        rows=pm.block_table.shape[0], context=pm.chunked_context is not None)
     out_all, _ = im.forward_mqa((q[..., :512], q[..., 512:]), cache, md, None)
     n = md.num_decode_tokens
     out_dec, _ = im.forward_mqa((q[:n, :, :512], q[:n, :, 512:]), cache, md, None)
@@ -126,7 +149,8 @@ def run(seed, reqs, kv_format, layer):
     return dict(max_rel=max(errs), nan=bool(out_all.isnan().any()), shape=list(out_all.shape),
                 num_decodes=md.num_decodes, num_decode_tokens=n, num_prefills=md.num_prefills,
                 prefill_max_seq_len=md.prefill_max_seq_len, mha=mha, decode_slice_same=same_dec,
-                req_ids=md.req_id_per_token.tolist(), buffer_is_shared=im.topk_indices_buffer is buf)
+                req_ids=md.req_id_per_token.tolist(), buffer_is_shared=im.topk_indices_buffer is buf,
+                prefill=prefill)
 
 results = {}
 for kv_format in ("bf16", "fp8_ds_mla"):
@@ -158,7 +182,9 @@ def test_backend_on_026_bases_vs_dense_reference(staged):
             assert r["shape"] == [62, 3, 512] and r["num_prefills"] == 2, (key, r)
             assert r["prefill_max_seq_len"] == 140 and not r["mha"], (key, r)
             assert r["req_ids"] == [0, 1] + [2] * 40 + [3] * 20, (key, r)
+            assert r["prefill"] == dict(prepared=True, qsl=[0, 40, 60], max_q=40, rows=2, context=True), (key, r)
         else:
             assert r["shape"] == [32, 3, 512] and r["num_prefills"] == 1, (key, r)
             assert r["prefill_max_seq_len"] == 30 and r["mha"], (key, r)
             assert r["req_ids"] == [0, 1] + [2] * 30, (key, r)
+            assert r["prefill"] == dict(prepared=True, qsl=[0, 30], max_q=30, rows=1, context=False), (key, r)
