@@ -14,10 +14,6 @@ the running vLLM release (0.16.0-0.19.1: `fp8_mqa_logits`, `fp8_paged_mqa_logits
 `fill_paged_mqa_logits_metadata` replaces the decode builder's DeepGEMM scheduling call; on the
 Triton path it never touches DeepGEMM.
 
-`fused_indexer_q_supported` gates vLLM's fused indexer-query RoPE + fp8 quant Triton kernel
-(`_fused_indexer_q_rope_quant_kernel`, 0.25+): it stores float8e4nv, which Triton compiles only for
-sm_89 and newer; below that the model's unfused path (RoPE, then vLLM's CUDA fp8 group quant) runs.
-
 Diagnostics: `DSA_OVERLAY_INDEXER=triton` sends the indexer to the Triton kernels while leaving the
 attention backend choice alone (e.g. FLASHMLA_SPARSE attention + Triton indexer on a Hopper GPU, to
 isolate a mismatch); `auto` or unset is the normal dispatch above.
@@ -30,7 +26,6 @@ import os
 
 DEEP_GEMM_INDEX_HEADS = (32, 64)
 DEEP_GEMM_MAJORS = (9, 10)
-FP8E4NV_MIN_CAPABILITY = (8, 9)  # Triton's float8e4nv (fp8 e4m3) needs sm_89+
 INDEXER_ENV = "DSA_OVERLAY_INDEXER"
 
 
@@ -79,19 +74,6 @@ def use_deep_gemm() -> bool:
 def logits_available() -> bool:
     """The indexer can compute logits on this device (DeepGEMM or Triton): always, on CUDA."""
     return True
-
-
-def fused_indexer_q_supported(capability: tuple[int, int] | None = None) -> bool:
-    """May vLLM's fused indexer-q RoPE + fp8 quant Triton kernel run here? Only on sm_89+ (its fp8
-    stores); `capability` (major, minor) defaults to the current CUDA device's."""
-    if capability is None:
-        from vllm.platforms import current_platform
-
-        cap = current_platform.get_device_capability()
-        if cap is None:
-            return False
-        capability = (cap.major, cap.minor)
-    return tuple(capability) >= FP8E4NV_MIN_CAPABILITY
 
 
 def _triton():

@@ -1,7 +1,6 @@
 """Dispatch of the sparse indexer's logits (overlay/indexer_ops.py) between DeepGEMM and the
 Triton kernels, with recording fakes in place of both (no vLLM, no GPU)."""
 
-import sys
 import types
 
 import pytest
@@ -103,22 +102,3 @@ def test_deep_gemm_path_fills_metadata(fakes, monkeypatch):
     ix.fill_paged_mqa_logits_metadata(buf, torch.ones(2, 1, dtype=torch.int32), 64, 2)
     assert dg.calls == ["get_paged_mqa_logits_metadata"] and tr.calls == []
     assert (buf == 7).all()
-
-
-@pytest.mark.parametrize("cap, ok", [((8, 0), False), ((8, 6), False), ((8, 7), False), ((8, 9), True),
-                                     ((9, 0), True), ((10, 0), True), ((12, 1), True)])
-def test_fused_indexer_q_gate(cap, ok, monkeypatch):
-    """vLLM's fused indexer-q kernel stores fp8 (Triton's float8e4nv): sm_89+ only; the hook in
-    deepseek_v2.py asks with no argument, i.e. for the current device."""
-    assert ix.fused_indexer_q_supported(cap) is ok
-    platform = types.SimpleNamespace(get_device_capability=lambda: types.SimpleNamespace(major=cap[0], minor=cap[1]))
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform))
-    assert ix.fused_indexer_q_supported() is ok
-
-
-def test_fused_indexer_q_gate_without_device(monkeypatch):
-    platform = types.SimpleNamespace(get_device_capability=lambda: None)
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform))
-    assert ix.fused_indexer_q_supported() is False
