@@ -2,7 +2,7 @@
 
 The hooks in `sparse_attn_indexer.py` and `v1/attention/backends/mla/indexer.py` call these
 functions instead of `vllm.utils.deep_gemm`'s. They have the same signatures as the wrappers of
-the running vLLM release (0.16.0-0.19.1: `fp8_mqa_logits`, `fp8_paged_mqa_logits`; 0.20.0-0.23.0:
+the running vLLM release (0.16.0-0.19.1: `fp8_mqa_logits`, `fp8_paged_mqa_logits`; 0.20.0-0.25.1:
 `fp8_fp4_mqa_logits`, `fp8_fp4_paged_mqa_logits`, fp8 query path) and dispatch per call:
 
 * DeepGEMM when it is usable: installed, on compute capability 9.x/10.x, the portable switch
@@ -13,6 +13,12 @@ the running vLLM release (0.16.0-0.19.1: `fp8_mqa_logits`, `fp8_paged_mqa_logits
 
 `fill_paged_mqa_logits_metadata` replaces the decode builder's DeepGEMM scheduling call; on the
 Triton path it never touches DeepGEMM.
+
+`fused_q_quant_supported` gates upstream's fused indexer-query kernel (0.25.0 on:
+`_fused_indexer_q_rope_quant_kernel` in `sparse_attn_indexer.py`, RoPE + fp8 quant in one Triton
+kernel). It stores float8_e4m3fn, which Triton compiles only for compute capability >= 8.9 (fp8e4nv);
+below that the hook in `deepseek_v2.py` keeps upstream's unfused path (torch RoPE, then vLLM's CUDA
+`per_token_group_fp8_quant`).
 
 Diagnostics: `DSA_OVERLAY_INDEXER=triton` sends the indexer to the Triton kernels while leaving the
 attention backend choice alone (e.g. FLASHMLA_SPARSE attention + Triton indexer on a Hopper GPU, to
@@ -26,6 +32,8 @@ import os
 
 DEEP_GEMM_INDEX_HEADS = (32, 64)
 DEEP_GEMM_MAJORS = (9, 10)
+# Triton stores float8_e4m3fn (fp8e4nv) only from here on; below it raises at compile time.
+TRITON_FP8E4NV_MIN_CAPABILITY = (8, 9)
 INDEXER_ENV = "DSA_OVERLAY_INDEXER"
 
 
@@ -76,6 +84,22 @@ def logits_available() -> bool:
     return True
 
 
+def triton_fp8_store_supported(capability: tuple[int, int] | None) -> bool:
+    """Pure part (unit-tested): can a Triton kernel that stores float8_e4m3fn run on `capability`?"""
+    return capability is not None and tuple(capability) >= TRITON_FP8E4NV_MIN_CAPABILITY
+
+
+def fused_q_quant_supported() -> bool:
+    """Per call (the indexer layer's __init__): may upstream's fused indexer-query RoPE + fp8 quant
+    kernel run on this device? False off CUDA and below sm_89 (the unfused path runs instead)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return False
+    cap = current_platform.get_device_capability()
+    return triton_fp8_store_supported((cap.major, cap.minor) if cap is not None else None)
+
+
 def _triton():
     from .kernels import indexer
     return indexer
@@ -98,7 +122,7 @@ def _impl(name: str, heads: int):
     return getattr(_triton(), name)
 
 
-# --- vLLM 0.20.0-0.23.0 names ---------------------------------------------------------------
+# --- vLLM 0.20.0-0.25.1 names ---------------------------------------------------------------
 
 
 def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits):
