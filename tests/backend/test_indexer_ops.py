@@ -1,6 +1,9 @@
 """Dispatch of the sparse indexer's logits (overlay/indexer_ops.py) between DeepGEMM and the
 Triton kernels, with recording fakes in place of both (no vLLM, no GPU)."""
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -102,3 +105,77 @@ def test_deep_gemm_path_fills_metadata(fakes, monkeypatch):
     ix.fill_paged_mqa_logits_metadata(buf, torch.ones(2, 1, dtype=torch.int32), 64, 2)
     assert dg.calls == ["get_paged_mqa_logits_metadata"] and tr.calls == []
     assert (buf == 7).all()
+
+
+# --- the fused indexer-query kernel's capability gate (0.25.0 on) ---------------------------------
+
+
+@pytest.mark.parametrize("cap, ok", [((8, 0), False), ((8, 6), False), ((8, 7), False), ((8, 9), True),
+                                     ((9, 0), True), ((10, 0), True), ((12, 0), True), ((12, 1), True),
+                                     (None, False)])
+def test_triton_fp8_store_supported(cap, ok):
+    assert ix.triton_fp8_store_supported(cap) is ok
+
+
+def _platform(monkeypatch, cuda: bool, cap):
+    """A stand-in `vllm.platforms` whose current platform is CUDA (or not) at capability `cap`."""
+    vllm, platforms = types.ModuleType("vllm"), types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(
+        is_cuda=lambda: cuda,
+        get_device_capability=lambda: None if cap is None else types.SimpleNamespace(major=cap[0], minor=cap[1]))
+    vllm.platforms = platforms
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+
+
+@pytest.mark.parametrize("cuda, cap, ok", [(True, (8, 0), False), (True, (8, 6), False), (True, (8, 9), True),
+                                           (True, (9, 0), True), (True, (12, 0), True), (True, None, False),
+                                           (False, (9, 0), False)])
+def test_fused_q_quant_supported_reads_the_platform(monkeypatch, cuda, cap, ok):
+    _platform(monkeypatch, cuda, cap)
+    assert ix.fused_q_quant_supported() is ok
+
+
+_FP8_STORE_KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_fp8(x, out):
+    offs = tl.arange(0, 32)
+    tl.store(out + offs, tl.load(x + offs).to(tl.float8e4nv))
+'''
+
+_COMPILE_EACH = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp8_store import store_fp8
+
+for cc in (80, 86, 89, 90, 120):
+    src = ASTSource(fn=store_fp8, signature={"x": "*fp32", "out": "*fp8e4nv"}, constexprs={})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 1})
+        print(cc, "ok")
+    except Exception as e:
+        print(cc, "refused", type(e).__name__, str(e).splitlines()[0][:120] if str(e) else "")
+'''
+
+
+def test_gate_matches_what_triton_compiles(tmp_path):
+    """The threshold is Triton's: a kernel storing float8_e4m3fn (as upstream's fused indexer-query kernel
+    does) cross-compiles for sm_89 and up and is refused below (compiled, not interpreted: a subprocess)."""
+    (tmp_path / "fp8_store.py").write_text(_FP8_STORE_KERNEL)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_EACH, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    for cc, outcome in seen.items():
+        cap = (int(cc) // 10, int(cc) % 10)
+        assert outcome.startswith("ok") is ix.triton_fp8_store_supported(cap), (cc, outcome)
+    assert set(seen) == {"80", "86", "89", "90", "120"}
