@@ -43,8 +43,8 @@ print(json.dumps({
     "ix": sai._dsa_ix.__name__,
     "select_hook": "_dsa_selection.vllm_select" in inspect.getsource(cuda.CudaPlatformBase.get_attn_backend_cls),
     "meta_hook": "_dsa_ix.fill_paged_mqa_logits_metadata" in inspect.getsource(mix),
-    "gate_hook": "_dsa_ix.fused_indexer_q_supported()" in inspect.getsource(dsv2.Indexer.__init__),
-    "gate": [ix.fused_indexer_q_supported(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))],
+    "gate_hook": "_dsa_ix.fused_q_quant_supported()" in inspect.getsource(dsv2.Indexer.__init__),
+    "gate": [ix.triton_fp8_store_supported(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))],
 }))
 """)
     assert out == {"backend": "TRITON_MLA_SPARSE", "shared": True, "impl_base": True, "builder_base": True,
