@@ -30,7 +30,7 @@ DROPIN_ROOT = "vllm/_dsa_overlay"
 FAMILIES = "families"  # patches/families/<name>/: diffs shared by the releases whose manifest names <name>
 # Releases that get a real `pip install vllm==X` venv in CI (.ci/run, tests/vllm_envs.py); every
 # supported release gets the pristine-wheel tests whether or not it is listed here.
-VENV_RELEASES = ("0.16.0", "0.18.1", "0.23.0")
+VENV_RELEASES = ("0.16.0", "0.18.1", "0.23.0", "0.26.0")
 _FAMILY = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

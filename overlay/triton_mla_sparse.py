@@ -10,13 +10,21 @@ the same kernel for prefill and decode (no bf16 up-conversion workspace). One co
 decode, prefill and chunked prefill: each query token attends to its own top-k cached slots, and
 the current chunk's KV is already in the cache when `forward_mqa` runs.
 
-The same file serves vLLM 0.16.0 and 0.23.0 (their backend APIs agree on everything used here).
+The same file serves every supported release. Its bases are picked by what the installed vLLM
+provides: 0.26+ has `SparseMLACommonImpl` / `SparseMLACommonMetadataBuilder` (sparse_mla_attention.py),
+which FLASHMLA_SPARSE and FLASH_ATTN_MLA_SPARSE subclass there too: the builder splits decodes from
+prefills and builds the dense-MHA prefill metadata, the impl inherits `forward_mha`, and vLLM sends
+prefills no longer than top-k through dense MHA and every other token to `forward_mqa`. 0.16-0.25
+have `SparseMLAAttentionImpl`, and the builder here does the whole step itself (every token through
+`forward_mqa`). Layers without an indexer (GLM-5.2's `index_topk_freq` > 1 reuses the previous
+layer's top-k) read the shared `topk_indices_buffer` vLLM passes them (0.24+).
 It is imported by vLLM through `AttentionBackendEnum.TRITON_MLA_SPARSE`; imported from a checkout
 without vLLM, only the declarative backend class is usable (its bases become plain placeholders).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,7 +42,6 @@ try:
         AttentionMetadata,
         AttentionMetadataBuilder,
         CommonAttentionMetadata,
-        SparseMLAAttentionImpl,
     )
     from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -47,9 +54,35 @@ except ImportError:  # a checkout without vLLM: keep the declarations importable
             return cls
 
     AttentionBackend = AttentionMetadata = AttentionMetadataBuilder = _Placeholder
-    SparseMLAAttentionImpl = _Placeholder
     AttentionCGSupport = AttentionLayer = CommonAttentionMetadata = None
     VllmConfig = AttentionSpec = None
+
+SPARSE_COMMON_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"  # vLLM 0.26+
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package this release does not have
+        return False
+
+
+# 0.26+: the bases upstream's sparse backends share (dense-MHA prefill included); 0.16-0.25: the sparse
+# impl base and the plain builder. Chosen by the module's presence, so an import error inside it shows.
+SHARED_SPARSE_BASES = HAVE_VLLM and _has_module(SPARSE_COMMON_MODULE)
+if SHARED_SPARSE_BASES:
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SparseMLACommonImpl as _ImplBase,
+    )
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SparseMLACommonMetadataBuilder as _BuilderBase,
+    )
+elif HAVE_VLLM:
+    from vllm.v1.attention.backend import SparseMLAAttentionImpl as _ImplBase
+
+    _BuilderBase = AttentionMetadataBuilder
+else:
+    _ImplBase = _BuilderBase = _Placeholder
 
 BLOCK_SIZE = 64  # what vLLM's sparse indexer (DeepseekV32IndexerBackend) requires on CUDA
 
@@ -119,12 +152,22 @@ class TritonMLASparseMetadata(AttentionMetadata):
     req_id_per_token: torch.Tensor  # int32 [>= num tokens], fixed address (CUDA graphs)
     block_size: int = BLOCK_SIZE
     topk_tokens: int = 2048
+    # Read by 0.26+'s MLAAttention (decodes first, then the prefills it may send to dense MHA) and
+    # filled by SparseMLACommonMetadataBuilder.build; on 0.16-0.25 they keep these defaults.
+    num_decodes: int = 0
+    num_prefills: int = 0
+    num_decode_tokens: int = 0
+    seq_lens: torch.Tensor | None = None
+    prefill_max_seq_len: int = 0
+    prefill: object | None = None  # MLACommonPrefillMetadata
+    cp_kv_cache_interleave_size: int = 1
 
 
-class TritonMLASparseMetadataBuilder(AttentionMetadataBuilder[TritonMLASparseMetadata]):
+class TritonMLASparseMetadataBuilder(_BuilderBase[TritonMLASparseMetadata]):
     # Every step is one kernel launch over fixed-address buffers: uniform decode batches can be
     # captured in full CUDA graphs.
     _cudagraph_support: ClassVar = AttentionCGSupport.UNIFORM_BATCH if HAVE_VLLM else None
+    metadata_cls = TritonMLASparseMetadata  # what SparseMLACommonMetadataBuilder.build makes (0.26+)
 
     def __init__(
         self,
@@ -134,9 +177,11 @@ class TritonMLASparseMetadataBuilder(AttentionMetadataBuilder[TritonMLASparseMet
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.model_config = vllm_config.model_config
         # Decodes first, like the sparse indexer's builder (the kernel itself takes mixed batches).
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        if SHARED_SPARSE_BASES:  # the base made topk_tokens and req_id_per_token_buffer
+            return
+        self.model_config = vllm_config.model_config
         self.topk_tokens = self.model_config.hf_config.index_topk
         self.req_id_per_token_buffer = torch.zeros(
             (vllm_config.scheduler_config.max_num_batched_tokens,),
@@ -150,6 +195,8 @@ class TritonMLASparseMetadataBuilder(AttentionMetadataBuilder[TritonMLASparseMet
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> TritonMLASparseMetadata:
+        if SHARED_SPARSE_BASES:  # 0.26+: the shared builder, prefill split and MHA metadata included
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
         cm = common_attn_metadata
         req_ids = ops.req_id_per_token(cm.query_start_loc_cpu)
         # Zero the tail so CUDA-graph padding tokens read request 0's (valid) block table row.
@@ -169,7 +216,7 @@ class TritonMLASparseMetadataBuilder(AttentionMetadataBuilder[TritonMLASparseMet
         )
 
 
-class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
+class TritonMLASparseImpl(_ImplBase[TritonMLASparseMetadata]):
     def __init__(
         self,
         num_heads: int,
@@ -182,26 +229,42 @@ class TritonMLASparseImpl(SparseMLAAttentionImpl[TritonMLASparseMetadata]):
         logits_soft_cap: float | None,
         attn_type: str,
         kv_sharing_target_layer_name: str | None,
-        # MLA specific arguments (0.16.0 also passes `topk_indice_buffer`, 0.23.0
-        # `topk_indices_buffer`; the indexer's own buffer is the one that is filled)
+        # MLA specific arguments. The indexer's buffer is the one its layer fills; a layer without an
+        # indexer (GLM-5.2, index_topk_freq > 1) reuses the previous layer's through the shared
+        # `topk_indices_buffer` (0.24+; 0.16.0 names it `topk_indice_buffer`).
         indexer=None,
+        topk_indices_buffer: torch.Tensor | None = None,
         **mla_args,
     ) -> None:
         if any((alibi_slopes, sliding_window, logits_soft_cap)):
             raise NotImplementedError(
                 f"{BACKEND_NAME} does not support alibi_slopes, sliding_window or logits_soft_cap"
             )
-        if indexer is None:
-            raise ValueError(f"{BACKEND_NAME} needs the model's sparse indexer (index_topk)")
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = float(scale)
+        shared = topk_indices_buffer
+        if shared is None:
+            shared = mla_args.pop("topk_indice_buffer", None)
+        if SHARED_SPARSE_BASES:  # 0.26+: the base keeps MLA dims and kv_b_proj for forward_mha
+            super().__init__(
+                num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                indexer=indexer, topk_indices_buffer=shared, **mla_args,
+            )
+        else:
+            self.num_heads = num_heads
+            self.head_size = head_size
+            self.scale = float(scale)
+            self.num_kv_heads = num_kv_heads
+            self.kv_cache_dtype = kv_cache_dtype
+            self.kv_lora_rank = mla_args["kv_lora_rank"]
+            self.topk_indices_buffer = indexer.topk_indices_buffer if indexer is not None else shared
+        if self.topk_indices_buffer is None:
+            raise ValueError(
+                f"{BACKEND_NAME} needs the model's sparse indexer or the shared topk_indices_buffer "
+                "(a sparse model, index_topk set)"
+            )
         self.softmax_scale = float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.kv_cache_dtype = kv_cache_dtype
         self.kv_format = ops.kv_format_for(kv_cache_dtype)
-        self.kv_lora_rank: int = mla_args["kv_lora_rank"]
-        self.topk_indices_buffer: torch.Tensor = indexer.topk_indices_buffer
+        self.supports_quant_query_input = False  # the kernel takes the bf16 (ql_nope, q_pe) pair
 
     def forward_mqa(
         self,

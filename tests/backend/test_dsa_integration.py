@@ -80,6 +80,25 @@ def scenario(seed, reqs, num_blocks):
     slots = [int(bt[r, p // BS]) * BS + p % BS for p, r in zip(pos, req)]
     return dict(g=g, reqs=reqs, bt=bt, qsl=torch.tensor(qsl, dtype=torch.int32),
                 pos=pos, req=req, slots=torch.tensor(slots, dtype=torch.int64), owned=owned)
+
+def latent_cache(sc, kv_format, num_blocks):
+    '''Random latent KV rows (576 wide) for every position of every request of the scenario, written
+    into a paged cache whose other slots are NaN. -> (cache, per request: the rows as the cache holds
+    them, float64, for the dense reference)'''
+    dense = [torch.randn(s, 576, generator=sc["g"]) for s, _ in sc["reqs"]]
+    if kv_format == "bf16":
+        cache = torch.full((num_blocks, BS, 576), float("nan"), dtype=torch.bfloat16)
+        exact = [d.to(torch.bfloat16).double() for d in dense]
+        rows = [d.to(torch.bfloat16) for d in dense]
+    else:
+        cache = torch.full((num_blocks, BS, 656), 0xFF, dtype=torch.uint8)   # NaN bytes
+        enc = [quantize_fp8_ds_mla(d) for d in dense]
+        rows = [e[0] for e in enc]
+        exact = [e[1] for e in enc]
+    for r, (s, _) in enumerate(sc["reqs"]):
+        for p in range(s):
+            cache[int(sc["bt"][r, p // BS]), p % BS] = rows[r][p]
+    return cache, exact
 """
 
 
@@ -98,19 +117,7 @@ for kv_format, kv_dtype in (("bf16", "auto"), ("fp8_ds_mla", "fp8_ds_mla")):
     sc = scenario(11, [(150, 1), (97, 1), (140, 40), (20, 20)], NUM_BLOCKS)
     g = sc["g"]
     T = len(sc["pos"])
-    dense = [torch.randn(s, 576, generator=g) for s, _ in sc["reqs"]]   # latent KV per position
-    if kv_format == "bf16":
-        cache = torch.full((NUM_BLOCKS, BS, 576), float("nan"), dtype=torch.bfloat16)
-        exact = [d.to(torch.bfloat16).double() for d in dense]
-        rows = [d.to(torch.bfloat16) for d in dense]
-    else:
-        cache = torch.full((NUM_BLOCKS, BS, 656), 0xFF, dtype=torch.uint8)   # NaN bytes
-        enc = [quantize_fp8_ds_mla(d) for d in dense]
-        rows = [e[0] for e in enc]
-        exact = [e[1] for e in enc]
-    for r, (s, _) in enumerate(sc["reqs"]):
-        for p in range(s):
-            cache[int(sc["bt"][r, p // BS]), p % BS] = rows[r][p]
+    cache, exact = latent_cache(sc, kv_format, NUM_BLOCKS)
 
     # the indexer's output: request-local positions <= p, best first, -1 padded (top_k_per_row)
     buf = torch.full((64, TOPK), -7, dtype=torch.int32)     # rows past T: garbage, never read
@@ -140,6 +147,10 @@ for kv_format, kv_dtype in (("bf16", "auto"), ("fp8_ds_mla", "fp8_ds_mla")):
                                    indexer=indexer, kv_lora_rank=512, topk_indices_buffer=buf)
     q = (torch.randn(T, H, 576, generator=g) * 0.5).to(torch.bfloat16)
     out, _ = impl.forward_mqa((q[..., :512], q[..., 512:]), cache, md, None)
+    # a GLM-5.2 layer without an indexer (index_topk_freq > 1) reads the shared buffer vLLM passes
+    shared = tms.TritonMLASparseImpl(H, 576, SCALE, 1, None, None, kv_dtype, None, "decoder", None,
+                                     indexer=None, kv_lora_rank=512, topk_indices_buffer=buf)
+    indexerless = torch.equal(shared.forward_mqa((q[..., :512], q[..., 512:]), cache, md, None)[0], out)
 
     errs, worst = [], 0.0
     for t, (p, r) in enumerate(zip(sc["pos"], sc["req"])):
@@ -148,6 +159,7 @@ for kv_format, kv_dtype in (("bf16", "auto"), ("fp8_ds_mla", "fp8_ds_mla")):
         err = ((out[t].double() - ref).abs().max() / ref.abs().max()).item()
         errs.append(err)
     results[kv_format] = dict(max_rel=max(errs), nan=bool(out.isnan().any()), shape=list(out.shape),
+                              indexerless=indexerless,
                               worst_token=int(max(range(T), key=lambda i: errs[i])))
 print(json.dumps(results))
 """
@@ -155,11 +167,12 @@ print(json.dumps(results))
 
 def test_backend_mixed_batch_vs_dense_reference(staged):
     """Decodes + chunked prefill + fresh prefill, shuffled blocks, bf16 and fp8_ds_mla caches, real
-    builder/impl/kernel: every token equals dense sparse attention over its own top-k positions."""
+    builder/impl/kernel: every token equals dense sparse attention over its own top-k positions; a layer
+    without an indexer (GLM-5.2) gives the same through the shared top-k buffer."""
     out = run_json(staged, ATTENTION)
     for fmt in ("bf16", "fp8_ds_mla"):
         assert not out[fmt]["nan"], out
-        assert out[fmt]["shape"] == [62, 3, 512]
+        assert out[fmt]["shape"] == [62, 3, 512] and out[fmt]["indexerless"], out
         # bf16 output rounding (2^-8 relative) plus bf16 probabilities inside the kernel
         assert out[fmt]["max_rel"] < 2e-2, out
 

@@ -3,7 +3,9 @@
 The model is GLM-5-shaped (2 layers, 16 heads, kv_lora_rank 512, qk_nope 192, v_head 256, 32 index heads,
 index_topk 256, noaux_tc routing) with dummy weights and no tokenizer; the prompts are 300+ token ids, so
 the indexer's top-k really drops keys. Two runs, each an engine in its own subprocess (one at a time on
-the GPU): the backend asked for explicitly, and picked by the overlay under DSA_OVERLAY_PORTABLE=1.
+the GPU): the backend asked for explicitly, and picked by the overlay under DSA_OVERLAY_PORTABLE=1. A third
+run: GLM-5.2-shaped (3 layers, index_topk_freq 2: vLLM 0.24+ builds layer 2 without an indexer) with prompts no
+longer than top-k (vLLM 0.26+ prefills them through dense MHA, decodes through TRITON_MLA_SPARSE).
 
 The vLLM: DSA_OVERLAY_GPU_SITE=/path/site-packages (the H200's staged /root/site; used as it is when it
 carries the overlay, else the overlay is applied to a hard-linked copy, the site itself is never written),
@@ -34,6 +36,10 @@ GLM5_TINY = {
     "eos_token_id": 1, "torch_dtype": "bfloat16",
 }
 PROMPT_LENS = (300, 347)
+# GLM-5.2's IndexCache: index_topk_freq 2 leaves layer 2 of 3 without an indexer (it reuses layer 1's top-k,
+# vLLM 0.24+); prompts no longer than index_topk, which vLLM 0.26+ prefills through dense MHA
+GLM52_TINY = {**GLM5_TINY, "num_hidden_layers": 3, "index_topk_freq": 2}
+SHORT_PROMPT_LENS = (120, 200)
 NEW_TOKENS = 8
 TIMEOUT_S = 540
 
@@ -48,19 +54,28 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm._dsa_overlay.triton_mla_sparse import TritonMLASparseImpl
 
-calls = {"TRITON_MLA_SPARSE": 0, "FLASHMLA_SPARSE": 0}
-def count(cls, name):
-    orig = cls.forward_mqa
-    def forward_mqa(*args, **kwargs):
+calls = {"TRITON_MLA_SPARSE": 0, "FLASHMLA_SPARSE": 0, "FLASH_ATTN_MLA_SPARSE": 0,
+         "TRITON_MLA_SPARSE.forward_mha": 0, "indexerless_layers": 0}
+def count(cls, name, method="forward_mqa"):
+    orig = getattr(cls, method)
+    def counted(*args, **kwargs):
         calls[name] += 1
         return orig(*args, **kwargs)
-    cls.forward_mqa = forward_mqa
+    setattr(cls, method, counted)
 count(TritonMLASparseImpl, "TRITON_MLA_SPARSE")
-try:
-    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
-    count(FlashMLASparseImpl, "FLASHMLA_SPARSE")
-except ImportError:
-    pass
+if hasattr(TritonMLASparseImpl, "forward_mha"):  # vLLM 0.26+: prefills no longer than top-k go dense MHA
+    count(TritonMLASparseImpl, "TRITON_MLA_SPARSE.forward_mha", "forward_mha")
+_init = TritonMLASparseImpl.__init__
+def _init_counted(self, *args, **kwargs):
+    calls["indexerless_layers"] += kwargs.get("indexer") is None
+    _init(self, *args, **kwargs)
+TritonMLASparseImpl.__init__ = _init_counted
+for mod, cls, name in (("flashmla_sparse", "FlashMLASparseImpl", "FLASHMLA_SPARSE"),
+                       ("flashattn_mla_sparse", "FlashAttnMLASparseImpl", "FLASH_ATTN_MLA_SPARSE")):
+    try:
+        count(getattr(__import__(f"vllm.v1.attention.backends.mla.{mod}", fromlist=[cls]), cls), name)
+    except ImportError:
+        pass
 kwargs = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               max_model_len=1024, max_num_seqs=4, enforce_eager=True, gpu_memory_utilization=0.3,
               enable_prefix_caching=False)
@@ -72,7 +87,11 @@ prompts = [[rng.randrange(2, 8192) for _ in range(n)] for n in json.loads(sys.ar
 params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[5]), ignore_eos=True, logprobs=1,
                         prompt_logprobs=1, detokenize=False)
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-result = {"calls": calls, "outputs": []}
+import inspect
+import vllm.model_executor.models.deepseek_v2 as dsv2
+from vllm._dsa_overlay import triton_mla_sparse as tms
+result = {"calls": calls, "outputs": [], "shared_bases": tms.SHARED_SPARSE_BASES,
+          "index_cache": "index_topk_freq" in inspect.getsource(dsv2)}
 for o, p in zip(outs, prompts):
     c = o.outputs[0]
     result["outputs"].append({
@@ -110,18 +129,18 @@ def patched_vllm(tmp_path_factory) -> tuple[str, dict]:
     return sys.executable, env
 
 
-@pytest.mark.parametrize("mode", ["explicit", "portable"])
-def test_tiny_glm5_generates_through_triton_mla_sparse(patched_vllm, mode, tmp_path):
+def generate(patched_vllm, tmp_path, mode, config, prompt_lens) -> dict:
+    """Run the child engine on a tiny model with `config`; its result: forward call counts and outputs."""
     python, env = patched_vllm
-    model = tmp_path / "glm5-tiny"
+    model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(GLM5_TINY))
+    (model / "config.json").write_text(json.dumps(config))
     result = tmp_path / "result.json"
     # compiled kernels in the engine: drop the interpreter switch this pytest process sets (tests/conftest.py)
     env = {k: v for k, v in dict(env, VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1").items()
            if k != "TRITON_INTERPRET"}
     try:
-        proc = subprocess.run([python, "-c", _CHILD, str(result), str(model), mode, json.dumps(PROMPT_LENS),
+        proc = subprocess.run([python, "-c", _CHILD, str(result), str(model), mode, json.dumps(prompt_lens),
                                str(NEW_TOKENS)], env=env, cwd=tmp_path, capture_output=True, text=True,
                               timeout=TIMEOUT_S)
         log = proc.stdout + proc.stderr
@@ -130,10 +149,27 @@ def test_tiny_glm5_generates_through_triton_mla_sparse(patched_vllm, mode, tmp_p
         log = f"timed out after {TIMEOUT_S} s\n{text(exc.stdout)}{text(exc.stderr)}"
     assert result.is_file(), log[-5000:]
     r = json.loads(result.read_text())
-    assert r["calls"]["TRITON_MLA_SPARSE"] > 0 and r["calls"]["FLASHMLA_SPARSE"] == 0, r["calls"]
-    assert len(r["outputs"]) == len(PROMPT_LENS)
-    for out, n in zip(r["outputs"], PROMPT_LENS):
-        assert len(out["tokens"]) == NEW_TOKENS and all(0 <= t < GLM5_TINY["vocab_size"] for t in out["tokens"])
+    vendor = {k: v for k, v in r["calls"].items() if k in ("FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE")}
+    assert r["calls"]["TRITON_MLA_SPARSE"] > 0 and set(vendor.values()) <= {0}, r["calls"]
+    assert len(r["outputs"]) == len(prompt_lens)
+    for out, n in zip(r["outputs"], prompt_lens):
+        assert len(out["tokens"]) == NEW_TOKENS and all(0 <= t < config["vocab_size"] for t in out["tokens"])
         assert len(out["prompt_logprobs"]) == n - 1
         for lp in out["logprobs"] + out["prompt_logprobs"]:
             assert math.isfinite(lp) and lp <= 0, out
+    return r
+
+
+@pytest.mark.parametrize("mode", ["explicit", "portable"])
+def test_tiny_glm5_generates_through_triton_mla_sparse(patched_vllm, mode, tmp_path):
+    r = generate(patched_vllm, tmp_path, mode, GLM5_TINY, PROMPT_LENS)
+    assert r["calls"]["indexerless_layers"] == 0, r["calls"]
+
+
+def test_tiny_glm52_indexerless_layer_and_short_prefill(patched_vllm, tmp_path):
+    """GLM-5.2 (index_topk_freq 2): the layer without an indexer attends through the shared top-k buffer;
+    prompts no longer than top-k go through vLLM 0.26's dense-MHA prefill where the backend has it."""
+    r = generate(patched_vllm, tmp_path, "portable", GLM52_TINY, SHORT_PROMPT_LENS)
+    assert (r["calls"]["indexerless_layers"] >= 1) is r["index_cache"], r  # vLLM 0.24+ builds such layers
+    if r["shared_bases"]:  # 0.26+
+        assert r["calls"]["TRITON_MLA_SPARSE.forward_mha"] > 0, r["calls"]

@@ -172,3 +172,14 @@ def test_backend_declarations_without_vllm():
     assert B.get_kv_cache_shape(10, 64, 1, 576, "fp8_ds_mla") == (10, 64, 656)
     assert B.get_kv_cache_shape(10, 64, 1, 576, "auto") == (10, 64, 576)
     assert B.get_supported_kernel_block_sizes() == [64]
+
+
+def test_sparse_bases_follow_the_installed_vllm():
+    """Without vLLM the bases are placeholders; the 0.26+ bases are chosen by the module's presence (a missing
+    parent package counts as absent), so an import error inside an existing module is never swallowed."""
+    from overlay import triton_mla_sparse as tms
+
+    assert not tms.HAVE_VLLM and not tms.SHARED_SPARSE_BASES
+    assert tms._has_module("json.decoder") and not tms._has_module("json.no_such_module")
+    assert not tms._has_module("no_such_package.sparse_mla_attention")
+    assert tms.SPARSE_COMMON_MODULE.endswith("layers.attention.sparse_mla_attention")

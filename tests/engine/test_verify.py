@@ -58,6 +58,12 @@ def _missing_names(rows: list[dict]) -> set[str]:
     return names
 
 
+def _vllm_package_imports_here(site: Path) -> bool:
+    """Does the `vllm` package itself (its __init__) import in this interpreter, without vLLM's dependencies?"""
+    return subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); import vllm"],
+                          capture_output=True, cwd=site).returncode == 0
+
+
 def test_stub_exports_every_driver_symbol_vllm_imports():
     _, site = vllm_envs.require("0.23.0")  # a real install: pristine trees carry no compiled libraries
     symbols = cudastub.driver_symbols(site)
@@ -81,7 +87,8 @@ def test_stub_symbols_agree_with_binutils():
 
 def test_verify_reports_each_module_and_fails_on_import_errors(tree, capsys):
     """This interpreter lacks vLLM's dependencies: each patched vLLM module fails, naming a package that the
-    real vLLM venv has and this interpreter has not; every overlay module imports (no vLLM at module level)."""
+    real vLLM venv has and this interpreter has not; every overlay module imports (no vLLM at module level), unless
+    the `vllm` package itself cannot (0.26.0), and then each fails the same way."""
     site = tree.path
     engine.apply(site)
     try:
@@ -155,12 +162,14 @@ def test_verify_hooks_and_selftest_extension_points(tree):
     hooks = site / "vllm/_dsa_overlay/verify_hooks.py"
     hooks.write_text("def report():\n    return 'backend  chosen\\nTRITON_MLA_SPARSE  yes'\n")
     (site / "vllm/_dsa_overlay/kernels/selftest.py").write_text("def main():\n    raise SystemExit('ran')\n")
+    # the real venv's interpreter where the `vllm` package itself needs vLLM's dependencies (0.26.0)
+    python = sys.executable if _vllm_package_imports_here(site) else str(vllm_envs.require(tree.version)[0])
     try:
-        r = verify.run(site, sys.executable)
+        r = verify.run(site, python)
         assert r["hooks"] == {"ok": True, "report": "backend  chosen\nTRITON_MLA_SPARSE  yes"}
         assert r["selftest"] == {"ok": True, "report": "skipped: no CUDA device"}  # CPU machine: main() not run
         hooks.write_text("def report():\n    raise RuntimeError('no backend')\n")
-        r = verify.run(site, sys.executable)
+        r = verify.run(site, python)
         assert r["hooks"] == {"ok": False, "report": "RuntimeError: no backend"} and r["ok"] is False
     finally:
         assert engine.rollback(site, force=True)["changed"]

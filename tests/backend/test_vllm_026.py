@@ -1,0 +1,190 @@
+"""vLLM 0.26.0 patched on CPU (a hard-linked copy of the real venv, tests/vllm_envs.py): the patch set's
+hooks import and reach the overlay, and TRITON_MLA_SPARSE runs on 0.26's sparse bases
+(`SparseMLACommonMetadataBuilder` / `SparseMLACommonImpl`) through the REAL builder and impl, kernels in
+the Triton interpreter, against a dense float64 reference that never reads the paged cache.
+
+0.26's MLAAttention.forward_impl sends the first `num_decode_tokens` tokens to `forward_mqa` and, when
+`prefill_max_seq_len <= topk_tokens` and a dense prefill backend exists, the prefills to dense MHA;
+otherwise every token to `forward_mqa`. The tests build the metadata with the real builder and feed
+`forward_mqa` exactly those slices; a stand-in prefill backend receives the dense-MHA prefill metadata
+the shared builder makes (the dense-MHA prefill itself is upstream's CUDA code: GPU only).
+"""
+
+import pytest
+
+from tests import vllm_envs
+from tests.backend.test_dsa_integration import run_json
+
+VERSION = "0.26.0"
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    return vllm_envs.patched_site(VERSION, tmp_path_factory.mktemp("vllm026"))
+
+
+def test_hooks_reach_the_overlay(staged):
+    """Registry entry, selection hook, indexer hooks and the fused indexer-q gate, in the patched 0.26.0."""
+    out = run_json(staged, """
+import inspect
+import vllm.platforms.cuda as cuda
+import vllm.model_executor.layers.sparse_attn_indexer as sai
+import vllm.model_executor.models.deepseek_v2 as dsv2
+import vllm.v1.attention.backends.mla.indexer as mix
+from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+from vllm.model_executor.layers.attention.sparse_mla_attention import (
+    SparseMLACommonImpl, SparseMLACommonMetadataBuilder)
+from vllm._dsa_overlay import triton_mla_sparse as tms, indexer_ops as ix
+B = E["TRITON_MLA_SPARSE"].get_class()
+print(json.dumps({
+    "backend": B.get_name(), "shared": tms.SHARED_SPARSE_BASES,
+    "impl_base": issubclass(B.get_impl_cls(), SparseMLACommonImpl),
+    "builder_base": issubclass(B.get_builder_cls(), SparseMLACommonMetadataBuilder),
+    "ix": sai._dsa_ix.__name__,
+    "select_hook": "_dsa_selection.vllm_select" in inspect.getsource(cuda.CudaPlatformBase.get_attn_backend_cls),
+    "meta_hook": "_dsa_ix.fill_paged_mqa_logits_metadata" in inspect.getsource(mix),
+    "gate_hook": "_dsa_ix.fused_q_quant_supported()" in inspect.getsource(dsv2.Indexer.__init__),
+    "gate": [ix.triton_fp8_store_supported(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))],
+}))
+""")
+    assert out == {"backend": "TRITON_MLA_SPARSE", "shared": True, "impl_base": True, "builder_base": True,
+                   "ix": "vllm._dsa_overlay.indexer_ops", "select_hook": True, "meta_hook": True,
+                   "gate_hook": True, "gate": [False, False, True, True, True]}
+
+
+BACKEND = """
+import vllm.utils.torch_utils as torch_utils
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm._dsa_overlay import triton_mla_sparse as tms
+from vllm._dsa_overlay.kernels import sparse_mla as K
+
+# The shared builder pins host memory (PIN_MEMORY; pin_memory=True in build_mla_chunked_context_metadata):
+# no driver to pin it with on this machine, so pinning is dropped; nothing else changes.
+torch_utils.PIN_MEMORY = False
+for _name in ("empty", "zeros"):
+    def _unpinned(*a, _f=getattr(torch, _name), pin_memory=False, **kw):
+        return _f(*a, **kw)
+    setattr(torch, _name, _unpinned)
+
+assert type(K._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
+assert tms.SHARED_SPARSE_BASES
+
+H, TOPK, NUM_BLOCKS = 3, 40, 12
+SCALE = (192 + 64) ** -0.5 * 1.37
+
+class PrefillBackend:   # stands in for the CUDA dense-MHA prefill backend the layer holds on a GPU
+    def __init__(self):
+        self.prepared = []
+    def clone(self):
+        return self
+    def prepare_metadata(self, prefill):
+        self.prepared.append(prefill)
+
+def vllm_config(prefill_backend):
+    hf = types.SimpleNamespace(index_topk=TOPK, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192,
+                               v_head_dim=256, q_lora_rank=None)
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=hf, hf_text_config=hf, dtype=torch.bfloat16,
+                                           max_model_len=320),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=8),
+        cache_config=types.SimpleNamespace(block_size=BS),
+        speculative_config=None,
+        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                                              cp_kv_cache_interleave_size=1),
+        compilation_config=types.SimpleNamespace(
+            static_forward_context={"l0": types.SimpleNamespace(prefill_backend=prefill_backend)}))
+
+def impl(kv_dtype, **kw):
+    return tms.TritonMLASparseImpl(
+        H, 576, SCALE, 1, None, None, kv_dtype, None, "decoder", None,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256,
+        v_head_dim=256, kv_b_proj=None, **kw)
+
+def run(seed, reqs, kv_format, layer):
+    kv_dtype = "auto" if kv_format == "bf16" else "fp8_ds_mla"
+    sc = scenario(seed, reqs, NUM_BLOCKS)
+    g = sc["g"]
+    T = len(sc["pos"])
+    cache, exact = latent_cache(sc, kv_format, NUM_BLOCKS)
+    buf = torch.full((64, TOPK), -7, dtype=torch.int32)     # the indexer's output; rows past T never read
+    chosen = []
+    for t, (p, r) in enumerate(zip(sc["pos"], sc["req"])):
+        sel = torch.argsort(torch.rand(p + 1, generator=g), descending=True)[:TOPK]
+        chosen.append(sel)
+        buf[t] = -1
+        buf[t, : sel.numel()] = sel.to(torch.int32)
+    prefill_backend = PrefillBackend()
+    builder = tms.TritonMLASparseMetadataBuilder(types.SimpleNamespace(block_size=BS), ["l0"],
+                                                 vllm_config(prefill_backend), torch.device("cpu"))
+    seq_lens = torch.tensor([s for s, _ in sc["reqs"]], dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=sc["qsl"], query_start_loc_cpu=sc["qsl"], seq_lens=seq_lens,
+        num_reqs=len(sc["reqs"]), num_actual_tokens=T, max_query_len=max(q for _, q in reqs),
+        max_seq_len=max(s for s, _ in reqs), block_table_tensor=sc["bt"], slot_mapping=sc["slots"],
+        seq_lens_cpu_upper_bound=seq_lens)
+    md = builder.build(0, cm)
+    assert type(md) is tms.TritonMLASparseMetadata, type(md)
+    if layer == "indexer":
+        im = impl(kv_dtype, indexer=types.SimpleNamespace(topk_indices_buffer=buf),
+                  topk_indices_buffer=torch.full_like(buf, 10**6))   # the indexer's own buffer wins
+    else:   # GLM-5.2 (index_topk_freq > 1): no indexer, the shared buffer the previous layer filled
+        im = impl(kv_dtype, indexer=None, topk_indices_buffer=buf)
+    q = (torch.randn(T, H, 576, generator=g) * 0.5).to(torch.bfloat16)
+    # forward_impl's split: decodes through MQA; prefills through dense MHA when they fit in top-k and a
+    # prefill backend exists (it does on a GPU), else through MQA as well. Both MQA slices are checked.
+    mha = md.num_prefills > 0 and md.prefill_max_seq_len <= md.topk_tokens
+    pm = md.prefill
+    prefill = None if pm is None else dict(
+        prepared=prefill_backend.prepared == [pm], qsl=pm.query_start_loc.tolist(), max_q=pm.max_query_len,
+        rows=pm.block_table.shape[0], context=pm.chunked_context is not None)
+    out_all, _ = im.forward_mqa((q[..., :512], q[..., 512:]), cache, md, None)
+    n = md.num_decode_tokens
+    out_dec, _ = im.forward_mqa((q[:n, :, :512], q[:n, :, 512:]), cache, md, None)
+    errs = []
+    for t, (p, r) in enumerate(zip(sc["pos"], sc["req"])):
+        k = exact[r][chosen[t]]
+        ref = torch.softmax(q[t].double() @ k.T * SCALE, -1) @ k[:, :512]
+        errs.append(((out_all[t].double() - ref).abs().max() / ref.abs().max()).item())
+    same_dec = bool(torch.equal(out_dec, out_all[:n]))
+    return dict(max_rel=max(errs), nan=bool(out_all.isnan().any()), shape=list(out_all.shape),
+                num_decodes=md.num_decodes, num_decode_tokens=n, num_prefills=md.num_prefills,
+                prefill_max_seq_len=md.prefill_max_seq_len, mha=mha, decode_slice_same=same_dec,
+                req_ids=md.req_id_per_token.tolist(), buffer_is_shared=im.topk_indices_buffer is buf,
+                prefill=prefill)
+
+results = {}
+for kv_format in ("bf16", "fp8_ds_mla"):
+    for layer in ("indexer", "indexerless"):
+        # two decodes, a chunked-prefill continuation crossing TOPK, a fresh prefill shorter than TOPK
+        results[f"long/{kv_format}/{layer}"] = run(11, [(150, 1), (97, 1), (140, 40), (20, 20)], kv_format, layer)
+        # two decodes and one fresh prefill no longer than TOPK (the dense-MHA case on a GPU)
+        results[f"short/{kv_format}/{layer}"] = run(12, [(150, 1), (97, 1), (30, 30)], kv_format, layer)
+try:
+    impl("auto", indexer=None, topk_indices_buffer=None)
+    results["no_buffer"] = None
+except ValueError as e:
+    results["no_buffer"] = str(e)
+print(json.dumps(results))
+"""
+
+
+def test_backend_on_026_bases_vs_dense_reference(staged):
+    """Real 0.26 builder + impl, bf16 and fp8_ds_mla caches, layers with and without an indexer
+    (GLM-5.2 reads the shared top-k buffer), a long mixed batch (all MQA) and a short prefill (MHA-eligible):
+    every MQA token equals dense sparse attention over its own top-k, decode slices included."""
+    out = run_json(staged, BACKEND)
+    assert "topk_indices_buffer" in out.pop("no_buffer"), out
+    for key, r in out.items():
+        assert not r["nan"] and r["max_rel"] < 2e-2, (key, r)
+        assert r["decode_slice_same"] and r["buffer_is_shared"], (key, r)
+        assert r["num_decodes"] == 2 and r["num_decode_tokens"] == 2, (key, r)
+        if key.startswith("long/"):
+            assert r["shape"] == [62, 3, 512] and r["num_prefills"] == 2, (key, r)
+            assert r["prefill_max_seq_len"] == 140 and not r["mha"], (key, r)
+            assert r["req_ids"] == [0, 1] + [2] * 40 + [3] * 20, (key, r)
+            assert r["prefill"] == dict(prepared=True, qsl=[0, 40, 60], max_q=40, rows=2, context=True), (key, r)
+        else:
+            assert r["shape"] == [32, 3, 512] and r["num_prefills"] == 1, (key, r)
+            assert r["prefill_max_seq_len"] == 30 and r["mha"], (key, r)
+            assert r["req_ids"] == [0, 1] + [2] * 30, (key, r)
+            assert r["prefill"] == dict(prepared=True, qsl=[0, 30], max_q=30, rows=1, context=False), (key, r)
