@@ -30,9 +30,11 @@ from .errors import UserError
 
 DROPIN_ROOT = "vllm/_dsa_overlay"
 FAMILIES = "families"  # patches/families/<name>/: diffs shared by the releases whose manifest names <name>
-# Releases that get a real `pip install vllm==X` venv in CI (.ci/run, tests/vllm_envs.py); every
-# supported release gets the pristine-wheel tests whether or not it is listed here.
-VENV_RELEASES = ("0.16.0", "0.18.1", "0.23.0")
+# Releases that get a real `pip install vllm==X` venv in CI (.ci/run, tests/vllm_envs.py), at least one per
+# family (tests/engine/test_patch_sets.py checks it; 0.20.0 for the 0.20-0.23 family's shared hunks, 0.23.0 for
+# its overrides); every supported release gets the pristine-wheel tests whether or not it is listed here.
+# A release listed before its patch set ships fails its real-venv tests (0.25.1, 0.26.0 until theirs land).
+VENV_RELEASES = ("0.16.0", "0.18.1", "0.19.1", "0.20.0", "0.23.0", "0.25.1", "0.26.0")
 _FAMILY = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

@@ -65,3 +65,15 @@ def test_layered_families_resolve_release_then_nearest_family_first(tmp_path, mo
         with pytest.raises(UserError) as err:
             manifest.load("0.18.0")
         assert message in str(err.value) and str(err.value).count("\n") == 0, err.value
+
+
+def test_every_family_has_a_real_venv_release():
+    """CI's real-venv smoke (tests/backend/test_vllm_patched.py) covers each family: a release's family is its
+    widest layer (the last name of `family`), or the release itself without one."""
+    def family(version):
+        names = manifest.family_names(manifest._read_toml(resources.patches_dir() / version / "manifest.toml"))
+        return names[-1] if names else version
+
+    covered = {family(v) for v in manifest.VENV_RELEASES if v in manifest.supported_versions()}
+    missing = {family(v): v for v in manifest.supported_versions() if family(v) not in covered}
+    assert missing == {}, f"families without a release in manifest.VENV_RELEASES: {missing}"
