@@ -11,7 +11,9 @@
 
 Releases that share hook points form a family: `family = "0.20-0.23"` beside `vllm = ...` makes each
 [[patch]] `diff` resolve to the release folder's file when it has one (a per-release override) and
-otherwise to `patches/families/<family>/<diff>` (the shared hunks). The [[patch]] list and every
+otherwise to `patches/families/<family>/<diff>` (the shared hunks). Families layer: `family = ["0.18",
+"0.17-0.18"]` names several folders, nearest first, and a diff resolves to the first that holds it (a
+sub-family such as 0.18.0-0.18.1 keeps its shared overrides once). The [[patch]] list and every
 `sha256` stay per release (pristine bytes differ even where the hunks are the same); the guarantees
 do not change: pristine hash check, zero-fuzz hunks, exact version match.
 """
@@ -28,9 +30,11 @@ from .errors import UserError
 
 DROPIN_ROOT = "vllm/_dsa_overlay"
 FAMILIES = "families"  # patches/families/<name>/: diffs shared by the releases whose manifest names <name>
-# Releases that get a real `pip install vllm==X` venv in CI (.ci/run, tests/vllm_envs.py); every
-# supported release gets the pristine-wheel tests whether or not it is listed here.
-VENV_RELEASES = ("0.16.0", "0.18.1", "0.23.0", "0.26.0")
+# Releases that get a real `pip install vllm==X` venv in CI (.ci/run, tests/vllm_envs.py), at least one per
+# family (tests/engine/test_patch_sets.py checks it; 0.20.0 for the 0.20-0.23 family's shared hunks, 0.23.0 for
+# its overrides); every supported release gets the pristine-wheel tests whether or not it is listed here.
+# A release listed before its patch set ships fails its real-venv tests (0.25.1, 0.26.0 until theirs land).
+VENV_RELEASES = ("0.16.0", "0.18.1", "0.19.1", "0.20.0", "0.23.0", "0.25.1", "0.26.0")
 _FAMILY = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -71,8 +75,8 @@ def load(version: str) -> PatchSet:
     where = resources.display(manifest)
     if data.get("vllm") != version:
         raise UserError(f"{where}: `vllm = \"{version}\"` expected (got {data.get('vllm')!r}); fix the manifest")
-    family = _family(data, where)
-    patches = tuple(_patch(manifest, i, entry, family) for i, entry in enumerate(_tables(data, "patch", where), 1))
+    families = _families(data, where)
+    patches = tuple(_patch(manifest, i, entry, families) for i, entry in enumerate(_tables(data, "patch", where), 1))
     targets = [p.target for p in patches]
     dup = {t for t in targets if targets.count(t) > 1}
     if dup:
@@ -90,17 +94,27 @@ def load(version: str) -> PatchSet:
     return PatchSet(version, manifest, patches, tuple(dropins))
 
 
-def _family(data: dict, where: str) -> Path | None:
-    """The family folder the manifest names (None without `family`)."""
+def family_names(data: dict) -> list[str]:
+    """The family folder names a manifest's `family` names, nearest first (a string is a list of one)."""
     name = data.get("family")
-    if name is None:
-        return None
-    if not isinstance(name, str) or not _FAMILY.fullmatch(name):
-        raise UserError(f"{where}: `family` must be a folder name under patches/{FAMILIES}/ (got {name!r}); fix the manifest")
-    folder = resources.patches_dir() / FAMILIES / name
-    if not folder.is_dir():
-        raise UserError(f"{where}: family folder {resources.display(folder)} is missing; restore it from git")
-    return folder
+    return [] if name is None else list(name) if isinstance(name, list) else [name]
+
+
+def _families(data: dict, where: str) -> list[Path]:
+    """The family folders the manifest names, nearest first ([] without `family`)."""
+    names = family_names(data)
+    if "family" in data and (not names or len(set(map(repr, names))) != len(names)):
+        raise UserError(f"{where}: `family` must be a folder name or a list of distinct ones, nearest first "
+                        f"(got {data['family']!r}); fix the manifest")
+    folders = []
+    for name in names:
+        if not isinstance(name, str) or not _FAMILY.fullmatch(name):
+            raise UserError(f"{where}: `family` must be a folder name under patches/{FAMILIES}/ (got {name!r}); fix the manifest")
+        folder = resources.patches_dir() / FAMILIES / name
+        if not folder.is_dir():
+            raise UserError(f"{where}: family folder {resources.display(folder)} is missing; restore it from git")
+        folders.append(folder)
+    return folders
 
 
 def _read_toml(path: Path) -> dict:
@@ -130,16 +144,15 @@ def _rel(value: object, what: str, where: str, under: str = "vllm") -> str:
     return str(p)
 
 
-def _patch(manifest: Path, index: int, entry: dict, family: Path | None = None) -> Patch:
+def _patch(manifest: Path, index: int, entry: dict, families: list[Path] = ()) -> Patch:
     where = f"{resources.display(manifest)} [[patch]] #{index}"
     diff, target, sha = entry.get("diff"), entry.get("target"), entry.get("sha256")
     if not isinstance(diff, str) or "/" in diff or not diff.endswith(".diff"):
         raise UserError(f"{where}: `diff` must name a .diff file beside the manifest or in its family; fix the manifest")
     if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
         raise UserError(f"{where}: `sha256` must be 64 lowercase hex digits; regenerate with tools/patchset.py regen")
-    path = manifest.parent / diff
-    if family is not None and not path.is_file():
-        path = family / diff
+    candidates = [manifest.parent / diff] + [f / diff for f in families]  # the release's override first
+    path = next((p for p in candidates if p.is_file()), candidates[-1])
     if not path.is_file():
         raise UserError(f"{where}: {resources.display(path)} is missing; restore it from git")
     return Patch(path, _rel(target, "target", where), sha)

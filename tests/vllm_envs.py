@@ -5,7 +5,8 @@
 `DSA_OVERLAY_VLLM_VENVS` points elsewhere. Tests never write into those venvs: `patched_site()`
 hard-links the venv's `vllm/` package and dist-info into a temporary site-packages and applies the
 overlay there with the real engine (which replaces files through new inodes, so the venv's files stay
-untouched). Without a venv the tests skip and say which one is missing.
+untouched). Without a venv the tests skip and say which one is missing (a failure under CI=true); a
+release listed without a patch set fails.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_installer import cudastub, engine
+from dsa_installer import cudastub, engine, manifest
 
 VENVS = Path(os.environ.get("DSA_OVERLAY_VLLM_VENVS", Path.home() / ".cache" / "dsa-overlay" / "venvs"))
 
@@ -44,6 +45,9 @@ def patched_site(version: str, dest: Path) -> tuple[Path, Path, dict]:
     """Apply the overlay (the real engine) to a hard-linked copy of the venv's vLLM under `dest`.
 
     Returns (python, patched site dir to put first on PYTHONPATH, environment for subprocesses)."""
+    if version not in manifest.supported_versions():  # fail, not skip: CI lists the release, the set must ship
+        pytest.fail(f"vLLM {version} is in manifest.VENV_RELEASES but patches/{version}/ has no patch set yet; "
+                    f"merge its patch set (or take it out of VENV_RELEASES)", pytrace=False)
     python, site = require(version)
     dest.mkdir(parents=True, exist_ok=True)
     dist = next(site.glob(f"vllm-{version}.dist-info"))

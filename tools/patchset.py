@@ -17,7 +17,9 @@ With a family (from --family or the release's manifest), regen keeps a target's 
 the family's diff, applied to this release's pristine file, gives exactly the edited bytes (offsets are
 fine, fuzz is not); it writes a family diff that does not exist yet into the family; otherwise it writes
 a per-release override into patches/<X>/ (`--update-family` writes it into the family instead, for a
-hook changed for the whole family: then regen the family's other releases). The manifest keeps every
+hook changed for the whole family: then regen the family's other releases). Layered families
+(`--family 0.18,0.17-0.18`, or the manifest's list) are read nearest first: a diff is checked against, and
+rewritten in, the nearest layer holding it; a new one goes to the nearest layer. The manifest keeps every
 target and its pristine sha256 per release.
 
 Caches: pristine/<X>/ (the wheel unpacked in site-packages layout without its compiled binaries, ~60 MB a
@@ -123,7 +125,7 @@ def edit(version: str, where: Path | None = None, family: str | None = None) -> 
     return tree
 
 
-def regen(version: str, where: Path | None = None, patches: Path = REPO / "patches", family: str | None = None,
+def regen(version: str, where: Path | None = None, patches: Path = REPO / "patches", family: str | list[str] | None = None,
           update_family: bool = False) -> list[str]:
     """Write patches/<version>/<name>.diff (or the family's, see the module docstring) for every file of the
     edit tree that differs from pristine and rewrite the manifest's [[patch]] list (existing diff names and
@@ -142,12 +144,13 @@ def regen(version: str, where: Path | None = None, patches: Path = REPO / "patch
     folder = patches / version
     folder.mkdir(parents=True, exist_ok=True)
     old = _read_manifest(folder / "manifest.toml")
-    family = family or old.get("family")
-    shared = _family_diffs(patches, family) if family else {}
+    layers = _layers(family) or manifest.family_names(old)
+    shared = _family_diffs(patches, layers)
     names = {d.target: d.path.name for d in shared.values()} | {e["target"]: e["diff"] for e in old.get("patch", [])}
-    siblings = [d for m in sorted(patches.glob("*/manifest.toml")) if family and m.parent.name != version
-                and (d := _read_manifest(m)).get("family") == family]  # the family's other releases
-    listed = [e["target"] for e in (old if old or not siblings else siblings[-1]).get("patch", [])]
+    siblings = {f: [d for m in sorted(patches.glob("*/manifest.toml")) if m.parent.name != version
+                    and f in manifest.family_names(d := _read_manifest(m))] for f in layers}  # the layer's other releases
+    near = [d for f in layers for d in siblings[f]]
+    listed = [e["target"] for e in (old if old or not near else near[-1]).get("patch", [])]
     order = [t for t in listed if t in changed] + [t for t in changed if t not in listed]
     for target in set(names) - set(changed):
         (folder / names[target]).unlink(missing_ok=True)
@@ -156,8 +159,9 @@ def regen(version: str, where: Path | None = None, patches: Path = REPO / "patch
         name = names.get(target) or _diff_name(target, {e["diff"] for e in entries})
         pristine, edited = (src / target).read_bytes(), (tree / target).read_bytes()
         out = folder / name
-        if family:
-            fam = patches / manifest.FAMILIES / family / name
+        if layers:  # the nearest layer that holds the diff (the one it resolves to), else the nearest layer
+            fam = next((f for f in (patches / manifest.FAMILIES / n / name for n in layers) if f.is_file()),
+                       patches / manifest.FAMILIES / layers[0] / name)
             if not fam.is_file() or update_family:
                 (folder / name).unlink(missing_ok=True)
                 out = fam
@@ -168,20 +172,30 @@ def regen(version: str, where: Path | None = None, patches: Path = REPO / "patch
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(hunks.make_diff(pristine, edited, target), encoding="utf-8")
         entries.append({"diff": name, "target": target, "sha256": fsops.sha256(pristine)})
-    _write_manifest(folder / "manifest.toml", version, entries, old.get("dropin", []), family)
-    if family:  # a family diff that no release of the family lists any more goes
-        listed = {e["diff"] for d in siblings + [_read_manifest(folder / "manifest.toml")] for e in d.get("patch", [])}
-        for name in set(shared) - listed:
-            (patches / manifest.FAMILIES / family / name).unlink()
+    _write_manifest(folder / "manifest.toml", version, entries, old.get("dropin", []), layers)
+    for f in layers:  # a layer's diff that no release naming the layer lists any more goes
+        used = {e["diff"] for d in siblings[f] + [_read_manifest(folder / "manifest.toml")] for e in d.get("patch", [])}
+        for diff in (patches / manifest.FAMILIES / f).glob("*.diff"):
+            if diff.name not in used:
+                diff.unlink()
     return order
 
 
-def _family_diffs(patches: Path, family: str) -> dict[str, hunks.FileDiff]:
-    """The family's diffs by file name; UserError if the family folder does not exist."""
-    folder = patches / manifest.FAMILIES / family
-    if not folder.is_dir():
-        raise UserError(f"{folder}: no such family; create it (a folder of shared diffs) or check the name")
-    return {p.name: hunks.parse(p) for p in sorted(folder.glob("*.diff"))}
+def _layers(family: str | list[str] | None) -> list[str]:
+    """Family folder names, nearest first, from --family ("0.18,0.17-0.18") or a list."""
+    return (family.split(",") if isinstance(family, str) else list(family)) if family else []
+
+
+def _family_diffs(patches: Path, family: str | list[str]) -> dict[str, hunks.FileDiff]:
+    """The family's diffs by file name, the nearest layer's where several hold one (manifest.py's resolution
+    order); UserError if a family folder does not exist."""
+    out: dict[str, hunks.FileDiff] = {}
+    for name in reversed(_layers(family)):
+        folder = patches / manifest.FAMILIES / name
+        if not folder.is_dir():
+            raise UserError(f"{folder}: no such family; create it (a folder of shared diffs) or check the name")
+        out |= {p.name: hunks.parse(p) for p in sorted(folder.glob("*.diff"))}
+    return out
 
 
 def _gives(diff: Path, pristine: bytes, edited: bytes) -> bool:
@@ -212,11 +226,12 @@ def _notes(path: Path) -> list[str]:
     return notes
 
 
-def _write_manifest(path: Path, version: str, patches: list[dict], dropins: list[dict], family: str | None = None) -> None:
+def _write_manifest(path: Path, version: str, patches: list[dict], dropins: list[dict], family: list[str] = ()) -> None:
     q = lambda s: '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    fam = q(family[0]) if len(family) == 1 else "[" + ", ".join(map(q, family)) + "]"
     first = f"# Patch set for vLLM {version}. [[patch]] entries are written by tools/patchset.py regen."
     notes = _notes(path)  # a maintainer's comment lines under the first one (e.g. why a hook is absent) stay
-    out = [first, *notes, f"vllm = {q(version)}"] + ([f"family = {q(family)}"] if family else []) + [""]
+    out = [first, *notes, f"vllm = {q(version)}"] + ([f"family = {fam}"] if family else []) + [""]
     for e in patches:
         out += ["[[patch]]", f"diff = {q(e['diff'])}", f"target = {q(e['target'])}", f"sha256 = {q(e['sha256'])}", ""]
     for e in dropins:
@@ -239,7 +254,8 @@ def fetch_cmd(version: str) -> None:
 @cli.command("edit")
 @click.argument("version")
 @click.option("--dir", "where", type=click.Path(path_type=Path), help="Where to lay out the tree.")
-@click.option("--family", help="For a release without a manifest: start from this family's diffs.")
+@click.option("--family", help="For a release without a manifest: start from this family's diffs (layers: "
+              "comma-separated, nearest first).")
 def edit_cmd(version: str, where: Path | None, family: str | None) -> None:
     """Lay out VERSION's *.py as a git tree with the current patch set applied."""
     tree = edit(version, where, family)
@@ -252,7 +268,8 @@ def edit_cmd(version: str, where: Path | None, family: str | None) -> None:
 @click.option("--dir", "where", type=click.Path(path_type=Path), help="The edit tree (default: the cache's).")
 @click.option("--patches", type=click.Path(path_type=Path, file_okay=False), default=REPO / "patches",
               show_default=True, help="The patches/ folder to write into.")
-@click.option("--family", help="Share diffs through patches/families/FAMILY/ (default: the manifest's).")
+@click.option("--family", help="Share diffs through patches/families/FAMILY/ (default: the manifest's; layers: "
+              "comma-separated, nearest first, e.g. 0.18,0.17-0.18).")
 @click.option("--update-family", is_flag=True, help="Write differing diffs into the family, not the release.")
 def regen_cmd(version: str, where: Path | None, patches: Path, family: str | None, update_family: bool) -> None:
     """Write patches/VERSION/*.diff (or the family's) and manifest hashes from the edit tree."""

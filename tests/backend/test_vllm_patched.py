@@ -1,7 +1,8 @@
 """The patched vLLM on CPU: this branch's diffs + overlay staged over a real vLLM install
 (the engine applies it to a hard-linked copy, see tests/vllm_envs.py), run in that install's interpreter with the stub libcuda.
 
-Skipped, with the reason shown, when the vLLM venv or the stub is not on this machine."""
+One real venv per release of manifest.VENV_RELEASES (one per family). Skipped, with the reason shown, when
+the vLLM venv or the stub is not on this machine (a failure under CI=true)."""
 
 import json
 import subprocess
@@ -9,10 +10,11 @@ import textwrap
 
 import pytest
 
+from dsa_installer import engine, manifest
 from tests import vllm_envs
 
 
-@pytest.fixture(scope="module", params=["0.23.0", "0.16.0"])
+@pytest.fixture(scope="module", params=manifest.VENV_RELEASES)
 def staged(request, tmp_path_factory):
     """(python, patched site, env): the overlay applied by the engine to a hard-linked copy of a real vLLM."""
     return vllm_envs.patched_site(request.param, tmp_path_factory.mktemp(f"vllm{request.param}"))
@@ -38,13 +40,20 @@ def test_patched_modules_import_and_enum(staged):
         import vllm.v1.attention.backends.mla.indexer
         from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
         B = E["TRITON_MLA_SPARSE"].get_class()
+        # the overlay's classes and the vLLM classes each one derives from (the release's real bases)
+        bases = {c.__name__: sorted({k.__module__ for k in c.__mro__[1:] if k.__module__.startswith("vllm.")})
+                 for c in (B, B.get_impl_cls(), B.get_builder_cls())}
         print(json.dumps({"file": vllm.__file__, "name": B.get_name(), "path": B.__module__,
-                          "sparse": B.is_sparse(), "ix": sai._dsa_ix.__name__}))
+                          "sparse": B.is_sparse(), "ix": sai._dsa_ix.__name__, "bases": bases,
+                          "mods": sorted({c.__module__ for c in (B, B.get_impl_cls(), B.get_builder_cls())})}))
     """)
     assert out["file"].startswith(str(staged[1]))  # the staged copy, not the venv's
     assert out == {**out, "name": "TRITON_MLA_SPARSE", "sparse": True,
                    "path": "vllm._dsa_overlay.triton_mla_sparse",
                    "ix": "vllm._dsa_overlay.indexer_ops"}
+    assert out["mods"] == ["vllm._dsa_overlay.triton_mla_sparse"], out
+    for name, mods in out["bases"].items():  # each derives from vLLM's own classes, not only the overlay's
+        assert [m for m in mods if not m.startswith("vllm._dsa_overlay")], (name, mods)
 
 
 def test_selection_table(staged):
@@ -153,3 +162,27 @@ def test_builder_and_impl_with_standin_kernel(staged):
     assert out["shape"] == [4, 5, 512] and out["lse"] is None
     assert out["max_err"] <= 2 ** -8  # bf16 rounding (<= 2^-9 relative) with margin; a wrong block is O(1)
     assert out["cg"].endswith("UNIFORM_BATCH")
+
+
+@pytest.mark.parametrize("version", manifest.VENV_RELEASES)
+def test_rollback_leaves_the_venv_bytes(version, tmp_path):
+    """apply + rollback on a fresh hard-linked copy of the real install: every file is the venv's again
+    (same bytes, nothing extra); only compiled caches of patched targets may be gone."""
+    _, dest, _ = vllm_envs.patched_site(version, tmp_path / "site")
+    _, site = vllm_envs.require(version)
+    patched = {p.target: (dest / p.target).read_bytes() for p in manifest.load(version).patches}
+    assert all(patched[t] != (site / t).read_bytes() for t in patched)  # applied: every target changed
+    engine.rollback(dest)
+    dist = f"vllm-{version}.dist-info"
+
+    def files(root):
+        return {p.relative_to(root).as_posix(): p for top in ("vllm", dist) for p in (root / top).rglob("*")
+                if p.is_file() or p.is_symlink()}
+
+    mine, theirs = files(dest), files(site)
+    assert sorted(set(mine) - set(theirs)) == []
+    caches = {t.rsplit("/", 1)[0] + "/__pycache__/" + t.rsplit("/", 1)[1].removesuffix(".py") for t in patched}
+    gone = sorted(set(theirs) - set(mine))
+    assert [g for g in gone if g.rsplit("/", 1)[0] + "/" + g.rsplit("/", 1)[1].split(".")[0] not in caches] == []
+    assert [r for r in mine if not mine[r].samefile(theirs[r])  # untouched files are still the venv's inodes
+            and mine[r].read_bytes() != theirs[r].read_bytes()] == []

@@ -29,8 +29,8 @@ def test_edit_then_regen_reproduces_the_committed_set(version, tmp_path):
     assert patchset.regen(version, tree, patches)[-1] == extra
     text = (patches / version / "manifest.toml").read_text()
     assert f'target = "{extra}"\nsha256 = "{fsops.sha256(original)}"' in text
-    family = manifest._read_toml(patches / version / "manifest.toml").get("family")
-    where = patches / manifest.FAMILIES / family if family else patches / version  # a new family diff: shared
+    layers = manifest.family_names(manifest._read_toml(patches / version / "manifest.toml"))
+    where = patches / manifest.FAMILIES / layers[0] if layers else patches / version  # new: the nearest family
     assert (where / "envs.diff").read_text().startswith(f"--- a/{extra}\n+++ b/{extra}\n")
 
     (tree / extra).write_bytes(original)  # and drops it again when the edit is undone
