@@ -4,7 +4,7 @@ builds the model config and tokenizer from the file, and the plugin's own GGUFMo
 adapter's weights, checked tensor by tensor against gguf-py's reading of the file.
 
 The plugin and gguf are installed with `pip install --no-deps --target` (wheels from `.whl/` in the
-checkout when there, else the index) into the temporary copy, never into the venv. Until patches/0.26.0
+checkout when there, else the index) into the temporary copy, never into the venv. Until the 0.26.0 set
 lists plugins.diff, the engine applies a local set made of that one hook and the overlay drop-in (the
 rest of the 0.26.0 set is not needed for GGUF loading on CPU); afterwards the shipped set is used.
 """
@@ -14,56 +14,18 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from dsa_installer import engine, fsops, manifest
+from dsa_installer import engine, fsops
 from tests import vllm_envs
 
 from .test_gguf_plugin_adapter import _reader_tensors
 
-REPO = Path(__file__).resolve().parents[2]
 VERSION = "0.26.0"
-PLUGIN = ("vllm-gguf-plugin==0.0.3", "gguf==0.19.0")
-HOOK = manifest.resources.patches_dir() / "families" / "0.26" / "plugins.diff"
-
-
-def install_plugin(target: Path) -> None:
-    """The plugin and gguf into `target` (a site dir), without dependencies."""
-    links = ["--find-links", str(REPO / ".whl")] if (REPO / ".whl").is_dir() else []
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *links,
-                    *PLUGIN], check=True, capture_output=True)
-
-
-def _ships_hook(version: str) -> bool:
-    return version in manifest.supported_versions() and any(
-        p.target == "vllm/plugins/__init__.py" for p in manifest.load(version).patches)
-
-
-@contextmanager
-def hook_patch_set(version: str, site: Path):
-    """manifest.load(version) as shipped when it carries the plugins hook, else the hook plus the drop-ins."""
-    if _ships_hook(version):
-        yield
-        return
-    real, real_supported = manifest.load, manifest.supported_versions
-    sha = fsops.file_sha256(site / "vllm" / "plugins" / "__init__.py")
-
-    def load(v: str) -> manifest.PatchSet:
-        if v != version:
-            return real(v)
-        common = real(real_supported()[-1]).dropins
-        return manifest.PatchSet(version, HOOK, (manifest.Patch(HOOK, "vllm/plugins/__init__.py", sha),), common)
-
-    manifest.load, manifest.supported_versions = load, lambda: [*real_supported(), version]
-    try:
-        yield
-    finally:
-        manifest.load, manifest.supported_versions = real, real_supported
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -78,9 +40,9 @@ def site(tmp_path_factory):
     dest = tmp_path_factory.mktemp("site026")
     dist = next(venv_site.glob(f"vllm-{VERSION}.dist-info"))
     subprocess.run(["cp", "-al", str(venv_site / "vllm"), str(dist), str(dest)], check=True)
-    install_plugin(dest)
+    vllm_envs.install_plugin(dest)
     before = _tree(dest / "vllm_gguf_plugin")
-    with hook_patch_set(VERSION, dest):
+    with vllm_envs.hook_patch_set(VERSION, dest):
         engine.apply(dest)
     env = vllm_envs.subprocess_env(dest, venv_site)
     env["DSA_OVERLAY_CACHE"] = str(dest / "cache")
@@ -93,7 +55,7 @@ def test_rollback_leaves_vllm_and_the_plugin_byte_identical(site, tmp_path):
     copy = tmp_path / "rt"
     subprocess.run(["cp", "-a", str(dest), str(copy)], check=True)
     # the copy is applied; rollback must give the pristine venv bytes and the plugin as pip wrote it
-    with hook_patch_set(VERSION, copy):
+    with vllm_envs.hook_patch_set(VERSION, copy):
         engine.rollback(copy)
     _, venv_site = vllm_envs.require(VERSION)
     assert fsops.file_sha256(copy / "vllm/plugins/__init__.py") == fsops.file_sha256(
