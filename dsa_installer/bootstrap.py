@@ -7,7 +7,8 @@ only. The work that needs the tool's dependencies (apply, verify) runs inside th
 
     [1/5] python -m venv VENV                    (an existing venv is reused)
     [2/5] VENV/bin/python -m pip install -e CHECKOUT   (dsa-overlay, click, unidiff; console script)
-    [3/5] VENV/bin/python -m pip install vllm==X (about 3 minutes and 8-10 GB in a fresh venv)
+    [3/5] VENV/bin/python -m pip install vllm==X (from 0.24.0 with vllm-gguf-plugin and gguf in the same
+          command: the plugin requires vllm unpinned, so installed alone it would upgrade vLLM)
     [4/5] VENV/bin/python apply.py --vllm-site-packages SITE
     [5/5] VENV/bin/python verify.py --vllm-site-packages SITE
 
@@ -25,10 +26,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import resources
+from . import gguf_plugin, resources
 from .errors import UserError
 
-DEFAULT_VLLM = "0.23.0"  # what `bootstrap` installs unless told otherwise (stated in README.md)
+DEFAULT_VLLM = "0.26.0"  # what `bootstrap` installs unless told otherwise (stated in README.md)
 DEPENDENCIES = ("click", "unidiff") + (("tomli",) if sys.version_info < (3, 11) else ())
 PHASES = 5
 
@@ -42,6 +43,11 @@ def supported_versions() -> list[str]:
     from .manifest import supported_versions  # reads folder names only; imports no dependency
 
     return supported_versions()
+
+
+def pip_packages(version: str) -> list[str]:
+    """What phase 3 installs, in one pip command: vLLM, and from 0.24.0 on the GGUF plugin pinned with it."""
+    return [f"vllm=={version}", *(gguf_plugin.PINS if gguf_plugin.needed(version) else ())]
 
 
 def _say(text: str) -> None:
@@ -93,8 +99,9 @@ def bootstrap(venv: Path, version: str, as_json: bool = False, say: Callable[[st
     else:  # an installed dsa-overlay (no checkout to install from): apply and verify run with this Python
         phase(2, f"dsa-overlay is installed in {sys.executable}, not a checkout: apply and verify run from there")
         tool_python = Path(sys.executable)
-    phase(3, f"pip install vllm=={version} into {venv} (about 3 minutes and 8-10 GB in a fresh venv)")
-    _run([str(python), "-m", "pip", "install", f"vllm=={version}"], f"pip install vllm=={version}")
+    packages = pip_packages(version)
+    phase(3, f"pip install {' '.join(packages)} into {venv} (minutes and about 10 GB in a fresh venv)")
+    _run([str(python), "-m", "pip", "install", *packages], f"pip install {' '.join(packages)}")
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                      f"asking {python} for its site-packages", capture=True).strip())
     at = ["--vllm-site-packages", str(site)] + (["--json"] if as_json else [])

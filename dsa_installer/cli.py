@@ -18,7 +18,7 @@ from typing import Callable
 
 import click
 
-from . import __version__, engine, fsops
+from . import __version__, engine, fsops, gguf_plugin
 from .bootstrap import DEFAULT_VLLM
 from .errors import UserError
 from .site import default_site_packages
@@ -97,9 +97,15 @@ def _apply(site: Path | None, dry_run: bool, as_json: bool, force_version: str |
         where = resolve_site(site)
         if not dry_run:  # a dry run takes no lock
             announce_wait(where, wait)
-        return engine.apply(where, force_version, wait, dry_run)
+        return _with_plugin(where, engine.apply(where, force_version, wait, dry_run))
 
     run(as_json, action, _render_apply)
+
+
+def _with_plugin(site: Path, result: dict) -> dict:
+    """`result` with what GGUF needs on this release (vllm-gguf-plugin from vLLM 0.24.0 on)."""
+    plugin = gguf_plugin.describe(site, result["vllm_version"])
+    return {**result, "gguf_plugin": plugin} if plugin is not None else result
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -150,7 +156,11 @@ def rollback(ctx, site, force, as_json, wait) -> None:
 def status(ctx, site, as_json) -> None:
     """Show the vLLM version, whether it is supported, and the overlay state per file."""
     site, as_json = inherit(ctx, site=site, as_json=as_json)
-    run(as_json, lambda: engine.status(resolve_site(site)), _render_status)
+    def action() -> dict:
+        where = resolve_site(site)
+        return _with_plugin(where, engine.status(where))
+
+    run(as_json, action, _render_status)
 
 
 @cli.command()
@@ -175,6 +185,7 @@ def _render_apply(r: dict) -> None:
         return
     if not r["changed"]:
         click.echo(f"{head}: {r['message']} (dsa-overlay {r['overlay_version']}, patch set {r['patch_set']})")
+        _render_plugin(r, missing_only=True)
         return
     for f in r["patched"]:
         moved = [o for o in f["offsets"] if o]
@@ -183,6 +194,7 @@ def _render_apply(r: dict) -> None:
         click.echo(f"added    {path}")
     click.echo(f"{head}: applied patch set {r['patch_set']}{_forced(r)} (dsa-overlay {__version__}); "
                "undo with `apply.py rollback`")
+    _render_plugin(r, missing_only=True)
 
 
 def _render_rollback(r: dict) -> None:
@@ -202,6 +214,13 @@ def _render_status(r: dict) -> None:
     click.echo(f"state: {state}")
     for f in r["files"]:
         click.echo(f"  {f['status']:<22} {f['path']}")
+    _render_plugin(r)
+
+
+def _render_plugin(r: dict, missing_only: bool = False) -> None:
+    plugin = r.get("gguf_plugin")
+    if plugin is not None and not (missing_only and plugin["installed"]):
+        click.echo(plugin["line"])
 
 
 def _forced(r: dict) -> str:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from dsa_installer import cudastub, engine, manifest
+from dsa_installer import cudastub, engine, fsops, manifest
 
 VENVS = Path(os.environ.get("DSA_OVERLAY_VLLM_VENVS", Path.home() / ".cache" / "dsa-overlay" / "venvs"))
 
@@ -63,3 +65,42 @@ def subprocess_env(patched: Path, venv_site: Path) -> dict:
     if stub is not None:
         env["LD_LIBRARY_PATH"] = f"{stub}:{os.environ.get('LD_LIBRARY_PATH', '')}"
     return env
+
+
+# --- vllm-gguf-plugin (GGUF on vLLM >= 0.24) ---
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN = ("vllm-gguf-plugin==0.0.3", "gguf==0.19.0")    # the pins that load beside torch 2.11 (FACTS)
+PLUGIN_HOOK = "vllm/plugins/__init__.py"
+
+
+def install_plugin(target: Path) -> None:
+    """vllm-gguf-plugin and gguf into `target` (a site dir) with `pip install --no-deps --target`; wheels
+    from the checkout's `.whl/` when it has them, else the index."""
+    links = ["--find-links", str(REPO / ".whl")] if (REPO / ".whl").is_dir() else []
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *links,
+                    *PLUGIN], check=True, capture_output=True)
+
+
+@contextmanager
+def hook_patch_set(version: str, site: Path, family: str = "0.26"):
+    """The engine applies `version`'s shipped set when it carries the plugins hook; until then (the
+    0.24-0.26 sets are written on other branches) a local set: that hook plus the overlay drop-ins."""
+    if version in manifest.supported_versions() and any(p.target == PLUGIN_HOOK for p in manifest.load(version).patches):
+        yield
+        return
+    real, real_supported = manifest.load, manifest.supported_versions
+    hook = manifest.resources.patches_dir() / manifest.FAMILIES / family / "plugins.diff"
+    sha = fsops.file_sha256(site / PLUGIN_HOOK)
+
+    def load(v: str) -> manifest.PatchSet:
+        if v != version:
+            return real(v)
+        return manifest.PatchSet(version, hook, (manifest.Patch(hook, PLUGIN_HOOK, sha),),
+                                 real(real_supported()[-1]).dropins)
+
+    manifest.load, manifest.supported_versions = load, lambda: [*real_supported(), version]
+    try:
+        yield
+    finally:
+        manifest.load, manifest.supported_versions = real, real_supported

@@ -10,6 +10,7 @@ import math
 import os
 from typing import Any, Iterable
 
+from .cache import cached_dir
 from .reader import GGUFError, merged_tensors, read_model, show
 from .tensors import ARCH, HF_ARCH, MODEL_TYPE, is_glm_dsa
 
@@ -269,6 +270,12 @@ def hf_config(path: str | os.PathLike, overrides: dict | None = None):
     if overrides:
         config.update(overrides)
     return config
+
+
+def config_dir(path: str | os.PathLike) -> str:
+    """A directory holding ``config.json`` made from a glm-dsa GGUF's metadata (cached): what
+    vllm-gguf-plugin's config parser reads when no config.json sits beside the file."""
+    return cached_dir("gguf-configs", {"config.json": hf_config(path).to_json_string(use_diff=False)})
 
 
 def config_for_gguf(model: str | os.PathLike, hf_overrides_kw: dict | None = None, hf_overrides_fn=None):

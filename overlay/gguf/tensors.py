@@ -169,6 +169,20 @@ def expected_tensors(cfg: dict, present: Container[str]) -> dict[str, Expected]:
     return out
 
 
+def tensor_problems(cfg: dict, found: dict, first_path: str) -> list[str]:
+    """One line per required tensor ``found`` (name -> ``reader.TensorInfo``) lacks and per tensor whose
+    shape differs from ``expected_tensors``: what the loader refuses before vLLM sees a weight."""
+    out = []
+    for name, want in expected_tensors(cfg, found).items():
+        t = found.get(name)
+        if t is None:
+            if not want.optional:
+                out.append(f"{first_path}: tensor {name} missing (expected shape {list(want.shape)})")
+        elif tuple(t.shape) != want.shape:
+            out.append(f"{t.path}: tensor {name} has shape {list(t.shape)}, expected {list(want.shape)}")
+    return out
+
+
 def is_glm_dsa(path: str | os.PathLike) -> bool:
     """True for a local GGUF (first shard of a split, or any shard) whose architecture is glm-dsa."""
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .cache import cached_dir
 from .reader import GGUFError, read_header, shard_paths
 from .config import meta_int, meta_list
 from .tensors import ARCH, is_glm_dsa
@@ -54,29 +55,13 @@ def tokenizer_json(meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return tok.to_str(), cfg
 
 
-def tokenizer_dir(path: str | os.PathLike, cache: str | os.PathLike | None = None) -> str:
+def tokenizer_dir(path: str | os.PathLike) -> str:
     """A directory holding the GGUF's tokenizer (tokenizer.json + tokenizer_config.json), cached."""
-    import hashlib
     import json
     meta = read_header(shard_paths(path)[0]).metadata
     text, cfg = tokenizer_json(meta)
-    key = hashlib.sha256((text + json.dumps(cfg, sort_keys=True)).encode()).hexdigest()[:16]
-    root = cache or os.environ.get("DSA_OVERLAY_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dsa-overlay"))
-    out = os.path.join(root, "gguf-tokenizers", key)
-    if not os.path.isfile(os.path.join(out, "tokenizer_config.json")):
-        tmp = f"{out}.tmp{os.getpid()}"
-        os.makedirs(tmp, exist_ok=True)
-        with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
-            f.write(text)
-        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:     # another process won the race
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return cached_dir("gguf-tokenizers", {"tokenizer.json": text,
+                                          "tokenizer_config.json": json.dumps(cfg, indent=1)})
 
 
 def tokenizer_for_gguf(tokenizer_name):

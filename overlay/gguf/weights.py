@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 from .config import config_dict
 from .reader import DENSE_TYPES, VLLM_GGUF_TYPES, GGUFError, TensorInfo, merged_tensors, read_model
-from .tensors import BLOCK_BY_NAME, KV_B_PARTS, MODEL_BY_NAME, is_glm_dsa
+from .tensors import BLOCK_BY_NAME, KV_B_PARTS, MODEL_BY_NAME, is_glm_dsa, tensor_problems
 
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -280,18 +280,25 @@ class GlmDsaNameMap(dict):
 
     def __init__(self, path: str | os.PathLike, release: str | None = None):
         self.headers = read_model(path)
+        self.files = [h.path for h in self.headers]    # every shard, first first
         self.release = release or vllm_release()
-        self.plan = plan(merged_tensors(self.headers), self.release)
+        found = merged_tensors(self.headers)
+        self.plan = plan(found, self.release)
         if self.plan.problems:
             raise GGUFError(f"{self.headers[0].path}: {self.plan.problems[0]}")
+        try:
+            cfg = config_dict(self.headers[0].metadata, found)
+        except GGUFError:
+            cfg = None      # no usable glm-dsa keys: the config comes from --hf-config-path
+        if cfg is not None and not cfg.get("vocab_size") and (emb := found.get("token_embd.weight")):
+            cfg["vocab_size"] = emb.shape[0]      # as check-gguf: files without tokenizer metadata
+        if cfg is not None and (bad := tensor_problems(cfg, found, self.headers[0].path)):
+            raise GGUFError(bad[0] + (f" (and {len(bad) - 1} more; run check-gguf)" if len(bad) > 1 else ""))
         super().__init__({"output.weight": "lm_head.weight"})
         for e in self.plan.entries:
             for s in e.sources:
                 self[s.name] = e.hf_name
-        try:
-            self.num_hidden_layers = config_dict(self.headers[0].metadata)["num_hidden_layers"]
-        except GGUFError:
-            self.num_hidden_layers = None
+        self.num_hidden_layers = None if cfg is None else cfg["num_hidden_layers"]
 
     def _entries_in(self, files: Iterable[str] | None) -> list[Entry]:
         if files is None:
@@ -309,6 +316,12 @@ class GlmDsaNameMap(dict):
             if (alias := _mtp_alias(e.hf_name, self.num_hidden_layers)) is not None:
                 out[alias] = t
         return out
+
+    def dsa_unquantized_modules(self) -> list[str]:
+        """Modules vLLM builds without the GGUF quant method: the dense loads of ``dsa_weight_type_map``
+        (vLLM's in-tree loader filters that map the same way; the vllm-gguf-plugin adapter calls this)."""
+        return [name.removesuffix(".weight") for name, t in self.dsa_weight_type_map().items()
+                if t in DENSE_TYPES and name.endswith(".weight")]
 
     def dsa_extra_tensor_names(self) -> list[str]:
         """HF names the file lacks (vLLM ties lm_head to the embedding when it lacks output.weight)."""

@@ -12,6 +12,7 @@ import venv
 import pytest
 
 from dsa_installer import engine, manifest
+from dsa_installer.bootstrap import DEFAULT_VLLM
 
 from .conftest import REPO, assert_error, cli
 from .test_lock import _hold_lock
@@ -57,7 +58,7 @@ def test_bootstrap_runs_on_a_python_without_click(bare_python, tmp_path):
     assert_error(bare(bare_python, "bootstrap", "--venv", target),
                  f"{target} exists and is not a venv; choose another --venv")
     helped = bare(bare_python, "bootstrap", "--help")
-    assert helped.returncode == 0 and "--vllm VERSION" in helped.stdout and "0.23.0" in helped.stdout
+    assert helped.returncode == 0 and "--vllm VERSION" in helped.stdout and DEFAULT_VLLM in helped.stdout
 
 
 def test_apply_is_also_an_explicit_command(tree):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_installer import cudastub, fsops
+from dsa_installer import cudastub, fsops, gguf_plugin
 from dsa_installer.bootstrap import DEFAULT_VLLM
 from tests.conftest import TIMINGS
 
@@ -47,20 +47,28 @@ except Exception as e:
 """
 
 
-def _probe(python: Path, site: Path) -> list[str]:
+PLUGIN_PROBE = r"""
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm_gguf_plugin import weights_adapter as wa
+print("adapters ->", [c.__name__ for c in wa._ADAPTER_REGISTRY])
+"""
+
+
+def _probe(python: Path, site: Path, code: str = PROBE) -> list[str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     stub = cudastub.stub_dir_for(site)
     if stub:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(stub), env.get("LD_LIBRARY_PATH")]))
-    proc = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, env=env, cwd=site.parent)
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, cwd=site.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [line for line in proc.stdout.splitlines() if " -> " in line or " raised " in line]
 
 
-def _record_problems(site: Path, version: str) -> list[str]:
-    """Files of the vllm distribution that differ from pip's RECORD, and files under vllm/ it does not list
-    (bytecode caches aside)."""
-    record = site / f"vllm-{version}.dist-info" / "RECORD"
+def _record_problems(site: Path, version: str, dist: str = "vllm", package: str = "vllm") -> list[str]:
+    """Files of a distribution that differ from pip's RECORD, and files under its package it does not
+    list (bytecode caches aside)."""
+    record = site / f"{dist}-{version}.dist-info" / "RECORD"
     listed, problems = set(), []
     for rel, digest, _ in csv.reader(record.read_text().splitlines()):
         listed.add(os.path.normpath(rel))
@@ -68,7 +76,7 @@ def _record_problems(site: Path, version: str) -> list[str]:
             want = base64.urlsafe_b64decode(digest[7:] + "=" * (-len(digest[7:]) % 4)).hex()
             if fsops.file_sha256(site / rel) != want:
                 problems.append(f"changed {rel}")
-    for path in (site / "vllm").rglob("*"):
+    for path in (site / package).rglob("*"):
         rel = os.path.relpath(path, site)
         if path.is_file() and "__pycache__" not in path.parts and rel not in listed:
             problems.append(f"extra {rel}")
@@ -77,6 +85,14 @@ def _record_problems(site: Path, version: str) -> list[str]:
 
 def _size(path: Path) -> int:
     return sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
+
+
+def _in_tree_gguf_probe(python: Path, site: Path) -> None:
+    """vLLM <= 0.23.0: the speculators hook lets glm-dsa/deepseek2 GGUF files through vLLM's own loader."""
+    out = _probe(python, site)
+    assert out[0].startswith("glm-dsa -> (") and out[0].endswith("tiny-glm-dsa.gguf', 'tok', None)"), out
+    assert out[1].startswith("deepseek2 -> (") and out[1].endswith("tiny-deepseek2.gguf', 'tok', None)"), out
+    assert out[2] == "missing raised OSError", out
 
 
 def test_readme_bootstrap_on_a_python_without_click():
@@ -103,10 +119,12 @@ def test_readme_bootstrap_on_a_python_without_click():
         assert st.returncode == 0, st.stderr
         st = json.loads(st.stdout)
         assert (st["state"], st["vllm_version"], st["site"]) == ("applied", version, str(site))
-        out = _probe(python, site)
-        assert out[0].startswith("glm-dsa -> (") and out[0].endswith("tiny-glm-dsa.gguf', 'tok', None)"), out
-        assert out[1].startswith("deepseek2 -> (") and out[1].endswith("tiny-deepseek2.gguf', 'tok', None)"), out
-        assert out[2] == "missing raised OSError", out
+        if gguf_plugin.needed(version):      # vLLM >= 0.24: GGUF through vllm-gguf-plugin
+            assert _probe(python, site, PLUGIN_PROBE) == ["adapters -> ['GlmDsaGGUFAdapter', 'Gemma3GGUFAdapter']"]
+            plugin = gguf_plugin.installed_version(site)
+            assert plugin == "0.0.3" and _record_problems(site, plugin, "vllm_gguf_plugin", "vllm_gguf_plugin") == []
+        else:
+            _in_tree_gguf_probe(python, site)
 
         checked = subprocess.run([python, "verify.py"], cwd=REPO, capture_output=True, text=True)
         assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -114,11 +132,15 @@ def test_readme_bootstrap_on_a_python_without_click():
 
         rolled = subprocess.run([tool, "rollback"], capture_output=True, text=True)
         assert rolled.returncode == 0, rolled.stderr
-        assert _probe(python, site) == [
-            "glm-dsa raised ValueError GGUF model with architecture glm-dsa is not supported yet.",
-            "deepseek2 raised ValueError GGUF model with architecture deepseek2 is not supported yet.",
-            "missing raised OSError",
-        ]
+        if gguf_plugin.needed(version):
+            assert _probe(python, site, PLUGIN_PROBE) == ["adapters -> ['Gemma3GGUFAdapter']"]
+            assert _record_problems(site, "0.0.3", "vllm_gguf_plugin", "vllm_gguf_plugin") == []
+        else:
+            assert _probe(python, site) == [
+                "glm-dsa raised ValueError GGUF model with architecture glm-dsa is not supported yet.",
+                "deepseek2 raised ValueError GGUF model with architecture deepseek2 is not supported yet.",
+                "missing raised OSError",
+            ]
         again = subprocess.run([python, "verify.py"], cwd=REPO, capture_output=True, text=True)
         assert again.returncode == 0 and "no overlay applied (pristine targets)" in again.stdout, again.stdout
         assert _record_problems(site, version) == []

@@ -1,0 +1,122 @@
+"""glm-dsa GGUF files on vLLM >= 0.24, whose tree has no GGUF loader: vllm-gguf-plugin loads GGUF there.
+
+The plugin's loader asks ``vllm_gguf_plugin.weights_adapter.get_weights_adapter(hf_config)`` for the
+first class in ``_ADAPTER_REGISTRY`` whose ``matches(config)`` is true; its own fallback cannot map
+``glm_moe_dsa``. ``register`` (called by the hook in ``vllm/plugins/__init__.py`` right after vLLM ran the
+general plugins) puts ``GlmDsaGGUFAdapter`` first in that list, and wraps ``EngineArgs.create_model_config``
+so that a glm-dsa file gets its config and tokenizer from its own metadata (the plugin's config parser
+reads config.json from the file's folder or --hf-config-path, and the tokenizer from the model folder).
+
+The adapter is the same code as the in-tree hooks of vLLM 0.16-0.23: ``weights.GlmDsaNameMap`` (name map,
+kv_b rebuild, dense loads, shard order), ``config.config_dir`` and ``tokenizer.tokenizer_dir``.
+Nothing here imports vLLM or the plugin at module level.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .config import config_dir
+from .reader import GGUFError
+from .tensors import ARCH, MODEL_TYPE, is_glm_dsa
+from .tokenizer import tokenizer_dir
+from .weights import GlmDsaNameMap
+
+PLUGIN_NAME = "gguf"    # vllm-gguf-plugin's entry point in vllm.general_plugins
+
+
+@dataclass
+class LoadSpec:
+    """What the plugin's loader reads from ``adapter.load_spec`` (its ``GGUFLoadSpec`` fields)."""
+    weights_source: list[str]
+    unquantized_modules: list[str]
+    gguf_to_hf_name_map: dict[str, str] | None = None
+    weight_type_map: dict[str, str] = field(default_factory=dict)
+
+
+class GlmDsaGGUFAdapter:
+    """vllm-gguf-plugin weights adapter for llama.cpp ``glm-dsa`` files (GLM-5, ``glm_moe_dsa``).
+
+    The plugin's loader calls ``prepare_loading(path, model_config)`` (sets ``load_spec``; vLLM builds the
+    modules it lists unquantized) and then feeds ``prepare_weights(model_config)`` to
+    ``model.load_weights``: the stream of ``GlmDsaNameMap.dsa_weights`` (every ``qweight_type`` first)."""
+
+    load_spec: LoadSpec | None = None
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.name_map: GlmDsaNameMap | None = None
+
+    @classmethod
+    def matches(cls, config: Any) -> bool:
+        return getattr(config, "model_type", None) == MODEL_TYPE
+
+    def prepare_loading(self, model_path: str, model_config: Any) -> LoadSpec:
+        path = os.fspath(model_path)
+        if not is_glm_dsa(path):
+            raise GGUFError(f"{path}: the model config is {MODEL_TYPE}, but this file's architecture is not "
+                            f"{ARCH!r}; pass a llama.cpp glm-dsa GGUF (python apply.py check-gguf {path})")
+        self.name_map = m = GlmDsaNameMap(path)
+        if "lm_head.weight" in m.dsa_extra_tensor_names():
+            model_config.hf_config.update({"tie_word_embeddings": True})
+        self.load_spec = LoadSpec(weights_source=list(m.files), unquantized_modules=m.dsa_unquantized_modules(),
+                                  gguf_to_hf_name_map=dict(m), weight_type_map=m.dsa_weight_type_map())
+        return self.load_spec
+
+    def prepare_weights(self, model_config: Any) -> Iterator[tuple[str, Any]]:
+        if self.name_map is None:
+            raise RuntimeError("GlmDsaGGUFAdapter.prepare_weights before prepare_loading")
+        yield from self.name_map.dsa_weights()
+
+
+def model_sources(model: Any, tokenizer: Any, hf_config_path: Any) -> dict[str, str]:
+    """For a local glm-dsa GGUF ``model``: the ``EngineArgs`` fields to fill so vLLM reads its config and
+    tokenizer from the file: ``hf_config_path`` (a folder with config.json from the metadata) when the
+    user gave none and no config.json sits beside the file, ``tokenizer`` (rebuilt from the metadata)
+    when the user gave none. Empty for anything else."""
+    if not isinstance(model, (str, os.PathLike)) or not os.fspath(model).endswith(".gguf"):
+        return {}
+    path = os.fspath(model)
+    if not is_glm_dsa(path):
+        return {}
+    out = {}
+    if hf_config_path is None and not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                                   "config.json")):
+        out["hf_config_path"] = config_dir(path)
+    if tokenizer is None or (isinstance(tokenizer, str) and os.path.abspath(tokenizer) == os.path.abspath(path)):
+        out["tokenizer"] = tokenizer_dir(path)
+    return out
+
+
+def _wrap_create_model_config(engine_args_cls: Any) -> None:
+    if getattr(engine_args_cls, "_dsa_overlay_glm_dsa_gguf", False):
+        return
+    original = engine_args_cls.create_model_config
+
+    def create_model_config(self, *args, **kwargs):
+        for key, value in model_sources(self.model, self.tokenizer, self.hf_config_path).items():
+            setattr(self, key, value)
+        return original(self, *args, **kwargs)
+
+    create_model_config.__wrapped__ = original
+    create_model_config.__doc__ = original.__doc__
+    engine_args_cls.create_model_config = create_model_config
+    engine_args_cls._dsa_overlay_glm_dsa_gguf = True
+
+
+def register(plugins: dict) -> bool:
+    """The hook after vLLM ran its general plugins: when vllm-gguf-plugin was among them, put the glm-dsa
+    adapter first in its registry and let glm-dsa files bring their own config and tokenizer. True when
+    registered; False without the plugin (GGUF then needs it: ``pip install vllm-gguf-plugin``)."""
+    if PLUGIN_NAME not in plugins:
+        return False
+    try:
+        from vllm_gguf_plugin import weights_adapter
+    except ImportError:
+        return False
+    if GlmDsaGGUFAdapter not in weights_adapter._ADAPTER_REGISTRY:
+        weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaGGUFAdapter)
+    from vllm.engine.arg_utils import EngineArgs
+    _wrap_create_model_config(EngineArgs)
+    return True
