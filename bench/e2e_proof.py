@@ -75,19 +75,9 @@ def main():
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        from bench.e2e.worker import worker
+        from bench.e2e.worker import serve, worker
 
-        try:
-            print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
-            code = 0
-        except BaseException:  # noqa: BLE001 - reported through the log; the process must end
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)   # a vLLM 0.26.0 engine keeps the process alive after generate (FACTS.md)
+        serve(worker, args.worker)
     if args.isolate:
         args.plan = "isolate"
     args.isolate = args.plan == "isolate"

@@ -334,17 +334,9 @@ def main() -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        try:
-            print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
-            code = 0
-        except BaseException:  # noqa: BLE001 - the traceback is the parent's log; the process must end
-            import traceback
+        from bench.e2e.worker import serve
 
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)   # a vLLM 0.26.0 engine keeps the process alive after generate (FACTS.md)
+        serve(worker, args.worker)
 
     from bench.e2e.run import finish_worker, make_model, make_prompts
 

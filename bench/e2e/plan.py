@@ -286,6 +286,16 @@ def index_topk(run_name: str) -> int:
     return MODELS[run_name.split("/")[0]].config["index_topk"]
 
 
+def needed_runs(plan: Plan) -> set[str]:
+    """The runs a verdict needs: each checked comparison's candidate and reference and its floors' runs.
+    (Another run only feeds informative rows, e.g. FLASH_ATTN_MLA_SPARSE, which vLLM 0.20.0 lacks.)"""
+    comps = {c: r for c, r, _ in plan.comparisons}
+    need = set()
+    for cand, key in plan.must_match.items():
+        need |= {cand, comps.get(cand)} | {n for f in plan.floors.get(key, []) for n in (f, comps.get(f))}
+    return need - {None}
+
+
 def plan_errors(plan: Plan) -> list[str]:
     """Why a plan is inconsistent ([] when it is not): run names are unique; comparisons name runs of
     the plan, are named uniquely by their candidate, compare runs of one model; floors and must_match

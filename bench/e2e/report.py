@@ -11,15 +11,17 @@ from pathlib import Path
 
 from .judge import compare, judge, kernels_ok
 from .plan import (FLOOR_FACTOR, GREEDY_STEPS, LAYER0_ERR_P99, LAYER0_SAME_SET, MIN_IDENTICAL_STEPS, MODELS,
-                   TPS_BATCH, index_topk)
+                   TPS_BATCH, index_topk, needed_runs)
 
 
 def _skipped(r: dict) -> bool:
     return str(r.get("error", "")).startswith("skipped")
 
 
-def _runs_table(results: dict, runs: list) -> tuple[list[str], bool]:
-    """One row per run: status, times, kernel counts (and the profiler census when runs took one)."""
+def _runs_table(results: dict, runs: list, needed: set | None = None) -> tuple[list[str], bool]:
+    """One row per run: status, times, kernel counts (and the profiler census when runs took one).
+    Not ok: a run that failed (or ran the wrong kernels), unless `needed` is given and leaves it out
+    (it feeds informative rows only)."""
     census = any("census" in results.get(r.name, {}) for r in runs)
     head = ("| run | status | wall s | startup s | triton kernel calls | vendor DSA calls | "
             + ("vendor DSA kernels (profiler) | " if census else "") + "decode tok/s |")
@@ -31,7 +33,7 @@ def _runs_table(results: dict, runs: list) -> tuple[list[str], bool]:
         if "error" in r:
             status = r["error"] if _skipped(r) else f"FAILED: {r['error']}"
             lines.append(f"| {name} | {status} | {r.get('wall_s', '')} | | | |{' |' if census else ''} |")
-            ok &= _skipped(r)
+            ok &= _skipped(r) or (needed is not None and name not in needed)
             continue
         good = kernels_ok(run.path, r)
         ok &= good
@@ -123,7 +125,7 @@ def report(args, how, log, results, runs, plan, dumps, elapsed) -> tuple[str, bo
     lines = [f"# E2E proof{' (isolation)' if args.isolate else ''}: TRITON_MLA_SPARSE + Triton "
              f"indexer in vLLM ({time.strftime('%Y-%m-%d')})",
              "", f"Device: {args.device_name}. vLLM: {how}. Total wall time {elapsed:.0f} s.", ""]
-    table, ok = _runs_table(results, runs)
+    table, ok = _runs_table(results, runs, None if args.isolate else needed_runs(plan))
     comps, good = _comparisons_table(args, results, runs, plan, dumps)
     ok &= good
     lines += table + ["", _prompts_line(runs), ""] + comps
@@ -169,7 +171,7 @@ def report(args, how, log, results, runs, plan, dumps, elapsed) -> tuple[str, bo
 def results_markdown(args, how, results, runs, plan, dumps, elapsed) -> str:
     """The tables for bench/RESULTS.md (no logs, no per-layer dumps): a heading with device, vLLM and
     commit, the runs, the comparisons with verdicts, throughput, the overall line."""
-    table, ok = _runs_table(results, runs)
+    table, ok = _runs_table(results, runs, None if args.isolate else needed_runs(plan))
     comps, good = _comparisons_table(args, results, runs, plan, dumps)
     lines = [f"### E2E proof on {args.device_name}, {how} ({time.strftime('%Y-%m-%d')}, commit "
              f"{_commit()}, {elapsed:.0f} s)", "", *table, "", _prompts_line(runs), "", *comps,

@@ -5,7 +5,9 @@ portable path). Returns one JSON-able dict; imports vLLM only inside worker().""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 
 from .plan import (ATTENTION_BACKEND, GREEDY_STEPS, TPS_BATCH, TRITON_ENTRY_POINTS, VENDOR_ENTRY_POINTS,
@@ -176,3 +178,19 @@ def worker(spec: dict) -> dict:
     result["vendor_calls"] = vendor_calls
     result["triton_calls"] = triton_calls
     return result
+
+
+def serve(fn, spec_json: str):
+    """A worker process's whole life: fn(spec) printed as one RESULT line, or its traceback; then
+    os._exit (0 / 1), since a vLLM 0.26.0 engine keeps the process alive after generate (FACTS.md)."""
+    try:
+        print("RESULT " + json.dumps(fn(json.loads(spec_json))), flush=True)
+        code = 0
+    except BaseException:  # noqa: BLE001 - the traceback is the parent's log; the process must end
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
