@@ -15,7 +15,8 @@ floor), for the GLM-5-shaped model, a DeepSeek-V3.2-shaped one (deepseek_v32, 64
 indexer), bf16 and fp8_ds_mla, CUDA graphs with decode tok/s, the GGUF fixture's BF16 / Q8_0 / Q4_K_M
 files (with --gguf-fixture), and FLASH_ATTN_MLA_SPARSE as a second upstream reference (informative);
 `h200-0.23` (the stored 0.23.0 proof, for --rejudge); `isolate` (= --isolate: pins a mismatch on a
-component: Triton attention + DeepGEMM indexer, FlashMLA + Triton indexer; all eager, no tok/s).
+component: Triton attention + DeepGEMM indexer, FlashMLA + Triton indexer; all eager, no tok/s);
+`isolate-dsv32` (the same for the DeepSeek-V3.2-shaped model, 5 engines, ~3.5 min).
 
 Budget (`--max-minutes`, default 7.8): runs start in plan order while their estimate (plan.estimate_s,
 from the stored H200 logs) fits in what is left; the first that does not ends the call. After every
@@ -80,7 +81,7 @@ def main():
         serve(worker, args.worker)
     if args.isolate:
         args.plan = "isolate"
-    args.isolate = args.plan == "isolate"
+    args.isolate = args.plan.startswith("isolate")
     the_plan = plan.PLANS[args.plan]
     if args.rejudge:
         from bench.e2e.report import rejudge

@@ -355,7 +355,8 @@ def main() -> int:
                     max_model_len=model.max_model_len, sequences=sequences)
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         results[f"{kv}/{path}"] = finish_worker(proc, t0, args.timeout)
         print(f"{kv}/{path}: {results[f'{kv}/{path}'].get('error', 'ok')}", flush=True)
     lines = [f"## Layer by layer vs a float64 reference: {args.model} ({time.strftime('%Y-%m-%d')}, "

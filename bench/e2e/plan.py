@@ -216,11 +216,25 @@ def _proof_plan() -> Plan:
     return Plan(runs, comps, floors, must)
 
 
+def _isolate_plan(model: str) -> Plan:
+    """Which component moves `model` away from upstream: each Triton piece alone with the upstream
+    other one, and upstream's own chunking floor (bf16, eager)."""
+    up = Run(model, "upstream")
+    runs = [up, Run(model, "triton"), Run(model, "attn_triton"), Run(model, "idx_triton"),
+            Run(model, "upstream", chunk=512)]
+    what = {"triton": "Triton attn + Triton indexer", "attn_triton": "Triton attn + DeepGEMM indexer",
+            "idx_triton": "FlashMLA attn + Triton indexer"}
+    comps = [(runs[4].name, up.name, f"NOISE FLOOR {model}: upstream, 512- vs 256-token chunks, bf16")]
+    comps += [(r.name, up.name, f"{model}: {what[r.path]}, bf16") for r in runs[1:4]]
+    return Plan(runs, comps, {"auto": [runs[4].name]}, {})
+
+
 PLANS = {
     "h200": _proof_plan(),
     "h200-0.23": Plan(RUNS_023, COMPARISONS_023, FLOORS_023, MUST_MATCH_023),
     # isolation: nothing checked; its two glm5 floors are labelled as such in the report
     "isolate": Plan(ISOLATE_RUNS, ISOLATE_COMPARISONS, {"auto": FLOORS_023["auto"]}, {}),
+    "isolate-dsv32": _isolate_plan("dsv32"),
 }
 FLOOR_FACTOR = 1.5
 # per-token max|a - b| / max|upstream| at layer 0, p99 over tokens. bf16: two roundings of the bf16
@@ -233,7 +247,7 @@ LAYER0_SAME_SET = 0.999
 # (bench/results/h200-e2e_proof-run2.json.gz, -run3-odd-fp8, h200-e2e_isolate-run1.json.gz: eager
 # 19-27 s, graphs 28-74 s of which torch.compile 12-50 s, the tok/s measurement ~20 s;
 # h200-gguf_proof-run3.md: a GGUF engine 36-44 s). Long prompts (dsv32: 3 x ~3000 tokens) add prefill.
-EST_EAGER_S, EST_GRAPHS_S, EST_TPS_S, EST_LONG_S, EST_GGUF_S = 25, 45, 20, 15, 15
+EST_EAGER_S, EST_GRAPHS_S, EST_TPS_S, EST_LONG_S, EST_GGUF_S = 25, 50, 20, 15, 15
 
 
 def estimate_s(run: Run) -> float:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -119,31 +121,53 @@ def stage_patched_copy(site: Path) -> Path:
 
 
 def start_worker(spec: dict, pythonpath: str):
+    """The worker process, in a session of its own: its leftovers (compile workers) can be ended with it."""
     env = dict(os.environ, PYTHONPATH=pythonpath)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return subprocess.Popen([sys.executable, str(CLI), "--worker", json.dumps(spec)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def finish_worker(proc, t0: float, timeout: float) -> dict:
-    """The worker's RESULT line. A worker that printed it and then hangs (a vLLM 0.26.0 engine does
-    not exit by itself after generate, FACTS.md; the worker ends with os._exit) is killed at the
-    timeout and its result kept."""
-    killed = False
+    """The worker's RESULT line (res["ended"]: "exited", or "killed at timeout"). The worker ends with
+    os._exit (a vLLM 0.26.0 engine does not exit by itself after generate, FACTS.md); whatever it left
+    running in its session (which could hold the output pipe open) is killed once it has exited, and a
+    worker still alive at the timeout is killed with it, its result kept if it printed one."""
+    lines: list = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        out, _ = proc.communicate(timeout=max(timeout, 1))
+        own_group = os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:   # already gone (and reaped)
+        own_group = False
+    try:
+        proc.wait(timeout=max(timeout, 1))
+        ended = "exited"
     except subprocess.TimeoutExpired:
+        ended = f"killed at timeout ({timeout:.0f} s)"
+    if own_group:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    elif proc.poll() is None:
         proc.kill()
-        out, _ = proc.communicate()
-        killed = True
-    out = out or ""
+    proc.wait()
+    reader.join(10)
+    out = "".join(lines)
     wall = round(time.perf_counter() - t0, 1)
     for line in reversed(out.splitlines()):
         if line.startswith("RESULT "):
             res = json.loads(line[7:])
-            res["wall_s"] = wall
+            res.update(wall_s=wall, ended=ended)
             return res
-    if killed:
+    if ended != "exited":
         return {"error": f"timeout after {timeout:.0f}s", "log": out[-3000:], "wall_s": wall}
     return {"error": f"exit {proc.returncode}", "log": out[-3000:], "wall_s": wall}
 

@@ -211,12 +211,40 @@ def test_run_all_stops_at_the_first_run_that_does_not_fit_and_keeps_resumed_resu
 def test_finish_worker_keeps_the_result_of_a_worker_that_does_not_exit():
     """vLLM 0.26.0's engine keeps its process alive after generate: the result line counts."""
     hang = subprocess.Popen([sys.executable, "-c", "import time; print('RESULT {\"x\": 1}', flush=True); "
-                             "time.sleep(120)"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "time.sleep(120)"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     res = RUN.finish_worker(hang, RUN.time.perf_counter(), timeout=3)
-    assert res["x"] == 1 and hang.returncode is not None
+    assert res["x"] == 1 and res["ended"].startswith("killed at timeout") and hang.returncode is not None
     silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert RUN.finish_worker(silent, RUN.time.perf_counter(), timeout=2)["error"].startswith("timeout")
+
+
+def test_finish_worker_returns_when_the_worker_exits_though_a_leftover_child_holds_its_output(tmp_path):
+    """A worker that printed its result and exited, leaving a child (e.g. a compile worker) that keeps
+    the output pipe open: finish_worker returns at the worker's exit, not at the timeout, and the
+    leftover is killed with the worker's session."""
+    pidfile = tmp_path / "child.pid"
+    code = (f"import subprocess, sys, os; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(c.pid)); print('RESULT {{\"y\": 2}}', flush=True); os._exit(0)")
+    worker = RUN.subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)
+    res = RUN.finish_worker(worker, RUN.time.perf_counter(), timeout=60)
+    assert res["y"] == 2 and res["ended"] == "exited"
+    child = int(pidfile.read_text())
+
+    def alive(pid):   # a killed process no one has reaped yet is a zombie: dead
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    for _ in range(50):                       # the kill is asynchronous
+        if not alive(child):
+            break
+        RUN.time.sleep(0.1)
+    else:
+        raise AssertionError("the leftover child is still alive")
 
 
 def test_a_worker_ends_its_process_even_when_something_keeps_it_alive(tmp_path):
