@@ -270,3 +270,43 @@ def test_the_hooks_pair_each_layers_indexer_rows_with_its_chosen_topk_and_measur
     _engine_step(cap, [0], 8, attention=off_by_one, g=g)
     v = LW.verdict(cap.summary(), "auto")
     assert v.startswith("DEFECT") and "attention error" in v and "top-k" not in v
+
+
+def test_layerwise_main_runs_one_engine_per_cache_and_path_and_writes_the_table(tmp_path, monkeypatch):
+    """The orchestration without a GPU: one worker per (kv, path), the dsv32 prompts longer than its
+    top-k, the table and verdicts written to --out with the JSON beside it; a failed engine is a row."""
+    import json
+    import sys as _sys
+
+    from bench.e2e import run as RUN
+
+    specs = []
+    monkeypatch.setattr(RUN, "make_model", lambda d, m: (d.mkdir(parents=True), (d / "config.json").write_text("{}")))
+
+    class Popen:
+        def __init__(self, cmd, **kw):
+            specs.append(json.loads(cmd[-1]))
+            assert kw.get("start_new_session")
+
+    layer = REF.summarize([dict(n=3000, k=2048, same=True, overlap=1.0, differ=0, missed=0, near_ties=0, gap=0.0,
+                                logit_err=1e-7, tol=1e-6)], [3e-3])
+
+    def finish(proc, t0, timeout):
+        s = specs[-1]
+        if s["kv"] == "fp8_ds_mla" and s["path"] == "triton":
+            return {"error": "exit 1", "log": "Traceback: boom"}
+        return {"layers": {"model.layers.0.self_attn.attn": layer}, "calls": {"x": 1}, "not_hooked": [],
+                "unpaired_indexer_samples": 0}
+
+    monkeypatch.setattr(LW.subprocess, "Popen", Popen)
+    monkeypatch.setattr(RUN, "finish_worker", finish)
+    out = tmp_path / "lw.md"
+    monkeypatch.setattr(_sys, "argv", ["layerwise.py", "--workdir", str(tmp_path / "w"), "--out", str(out)])
+    assert LW.main() == 1
+    assert [(s["kv"], s["path"]) for s in specs] == [("auto", "upstream"), ("auto", "triton"),
+                                                     ("fp8_ds_mla", "upstream"), ("fp8_ds_mla", "triton")]
+    assert all(s["topk"] == 2048 and min(map(len, s["sequences"])) > 2048 for s in specs)
+    text = out.read_text()
+    assert "| auto | triton | model.layers.0.self_attn.attn | 1 | 1.0000 |" in text
+    assert "- auto / upstream: rounding" in text and "| fp8_ds_mla | triton | FAILED: exit 1 |" in text
+    assert "Traceback: boom" in text and json.loads(out.with_suffix(".json").read_text())["auto/triton"]
