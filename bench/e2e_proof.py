@@ -20,9 +20,9 @@ component: Triton attention + DeepGEMM indexer, FlashMLA + Triton indexer; all e
 
 Budget (`--max-minutes`, default 7.8): runs start in plan order while their estimate (plan.estimate_s,
 from the stored H200 logs) fits in what is left; the first that does not ends the call. After every
-run the report ($OUT/e2e_proof.md), the raw JSON beside it and the RESULTS.md-ready tables
+run the report ($OUT/e2e_proof.md), the raw JSON beside it and the tables for bench/RESULTS.md
 ($OUT/e2e_proof-results.md) are rewritten, so a cut or a killed call still leaves partial tables.
-Each engine runs in its own worker process, one at a time (`--parallel N` for more; FACTS.md: engines
+Each engine runs in its own worker process, one at a time (`--parallel N` for more; ../shared/FACTS.md: engines
 started together fail at random); a worker prints its result and ends with os._exit (a vLLM 0.26.0
 engine does not exit by itself), and one that hangs is killed at its timeout.
 

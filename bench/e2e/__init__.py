@@ -7,7 +7,7 @@ worker     one vLLM engine in its own process: greedy, teacher-forced logprobs, 
 run        orchestration on the device: patched vLLM, tiny checkpoints / GGUF files, one engine at a
            time within the time budget, results and report rewritten after every run, --resume
 judge      comparisons of two runs, per-layer dumps, kernel-path check, verdict against the noise floor
-report     the markdown report, its RESULTS.md-ready tables, and --rejudge of stored JSON results
+report     the markdown report, its tables for bench/RESULTS.md, --rejudge of stored JSON
 reference  float64 references of one layer's indexer and sparse attention, and their comparisons
 layerwise  each path against that reference layer by layer (its own CLI, one device call)
 

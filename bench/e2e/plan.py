@@ -94,7 +94,7 @@ class Plan(NamedTuple):
     must_match: dict               # checked comparison -> the floor set that judges it
 
 
-# --- the stored 0.23.0 proof (bench/results/h200-e2e_proof-run2*, RESULTS.md) -------------------
+# --- the stored 0.23.0 proof (bench/results/h200-e2e_proof-run2*, bench/RESULTS.md) -------------------
 
 _G = "glm5"
 RUNS_023 = [

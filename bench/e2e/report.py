@@ -1,5 +1,5 @@
-"""The proof's markdown report (and its RESULTS.md-ready tables), and --rejudge: rebuilding it from stored
-JSON results (bench/results/) with the current rules, no GPU needed."""
+"""The proof's markdown report (and its tables for bench/RESULTS.md), and --rejudge: rebuilding it from
+stored JSON results (bench/results/) with the current rules, no GPU needed."""
 
 from __future__ import annotations
 

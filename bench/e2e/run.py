@@ -1,6 +1,6 @@
 """Running the proof on the device: a patched vLLM (applied in SITE, or a private patched copy), the tiny
 checkpoints (and the GGUF fixture's files), every engine in its own worker process (one at a time by
-default: FACTS.md, engines started together fail in vLLM's memory profiling), runs in the plan's order
+default: ../shared/FACTS.md, engines started together fail in vLLM's memory profiling), runs in the plan's order
 of value until the time budget, the results and the report rewritten after every run (a budget cut or a
 killed call leaves partial tables), then the dump comparisons."""
 
@@ -131,7 +131,7 @@ def start_worker(spec: dict, pythonpath: str):
 
 def finish_worker(proc, t0: float, timeout: float) -> dict:
     """The worker's RESULT line (res["ended"]: "exited", or "killed at timeout"). The worker ends with
-    os._exit (a vLLM 0.26.0 engine does not exit by itself after generate, FACTS.md); whatever it left
+    os._exit (a vLLM 0.26.0 engine does not exit by itself after generate, ../shared/FACTS.md); whatever it left
     running in its session (which could hold the output pipe open) is killed once it has exited, and a
     worker still alive at the timeout is killed with it, its result kept if it printed one."""
     lines: list = []
@@ -235,7 +235,7 @@ def run_all(runs: list, make_spec, pythonpath_for, t_start: float, parallel: int
 def prove(args, plan) -> tuple[str, bool]:
     """The whole proof on this machine's GPU: patched vLLM, checkpoints, every run the budget allows,
     the dump comparisons, the report (args.out; the raw results beside it as JSON, and a
-    RESULTS.md-ready table file). -> (report, overall pass)."""
+    tables for bench/RESULTS.md). -> (report, overall pass)."""
     t_start = time.perf_counter()
     import torch
 
@@ -283,7 +283,7 @@ def prove(args, plan) -> tuple[str, bool]:
     dumps: dict = {}
 
     def write(results):
-        """Report, JSON and RESULTS.md tables of what has run so far (after every run)."""
+        """Report, JSON and bench/RESULTS.md tables of what has run so far (after every run)."""
         for cand, ref, _ in plan.comparisons:
             pc = dump_dir / (cand.replace("/", "_") + ".pt")
             pr = dump_dir / (ref.replace("/", "_") + ".pt")

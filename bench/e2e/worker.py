@@ -182,7 +182,7 @@ def worker(spec: dict) -> dict:
 
 def serve(fn, spec_json: str):
     """A worker process's whole life: fn(spec) printed as one RESULT line, or its traceback; then
-    os._exit (0 / 1), since a vLLM 0.26.0 engine keeps the process alive after generate (FACTS.md)."""
+    os._exit (0 / 1), since a vLLM 0.26.0 engine keeps the process alive after generate (../shared/FACTS.md)."""
     try:
         print("RESULT " + json.dumps(fn(json.loads(spec_json))), flush=True)
         code = 0

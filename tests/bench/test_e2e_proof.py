@@ -413,7 +413,7 @@ def test_stored_runs_give_the_same_verdicts_whatever_the_order_of_comparisons():
 
 def test_a_budget_cut_is_incomplete_not_a_pass_and_the_results_file_has_the_tables():
     """Stored run2 alone lacks one run (its budget skipped it): the report says INCOMPLETE (exit 1),
-    every comparison that ran keeps its verdict, and the RESULTS.md file carries the same rows."""
+    every comparison that ran keeps its verdict, and the bench/RESULTS.md file carries the same rows."""
     data = R.merge_runs(R.load_parts([str(STORED[0])]))
     args = types.SimpleNamespace(isolate=False, device_name="H200")
     old = P.PLANS["h200-0.23"]
@@ -460,7 +460,7 @@ def test_stage_patched_copy_applies_the_overlay_to_a_private_copy(tmp_path, monk
 
 def test_prove_writes_partial_tables_after_every_run_and_resume_continues(tmp_path, monkeypatch):
     """prove() end to end with engines replaced by canned results: the budget cuts the plan, the report,
-    its JSON, the RESULTS.md tables and the work dir's results.json exist after the cut; a second
+    its JSON, the bench/RESULTS.md tables and the work dir's results.json exist after the cut; a second
     call with --resume starts only the runs the first did not finish, and GGUF runs without a fixture
     are skipped without costing budget."""
     plan = P.PLANS["h200"]
