@@ -29,7 +29,11 @@ and how many are near-ties, i.e. within the path's own logits error of the refer
 attention error median / p99 / max). Writes the table to --out and the raw JSON beside it.
 Verdict per path: "rounding" when every differing top-k pick is a near-tie and the attention error p99
 stays within the cache dtype's bound (plan.LAYER0_ERR_P99) at every layer, else "DEFECT" naming the
-layer and the kernel.
+layer and the kernel; and per cache dtype, whether the Triton path is as close to its reference as
+upstream is to its own (`against_upstream`: a cause both share, e.g. vLLM's top-k op, is not ours).
+The references start at each kernel's inputs: if both paths are rounding there and the proof still
+shows the distance, the next suspects are the inputs' preparation (the indexer's fp8 q / k
+quantization, the cache writes), which `e2e_proof.py --plan isolate-dsv32` pins on a component.
 """
 
 from __future__ import annotations
@@ -84,6 +88,29 @@ def verdict(layers: dict, kv: str) -> str:
         return "DEFECT: " + "; ".join(bad)
     return (f"rounding: every differing top-k pick is a near-tie and attention error p99 <= {limit:.0e} "
             "at every layer")
+
+
+def against_upstream(ours: dict, upstream: dict, factor: float = 1.5) -> str:
+    """Ours and upstream, each against its own reference, layer by layer: is ours as close to exact as
+    upstream (within `factor` on the attention error p99, no more top-k picks beyond tolerance than
+    upstream + 1 per 1000 selecting rows)? Catches a shared cause (e.g. an approximate top-k op both
+    paths use) that would make both verdicts say DEFECT."""
+    if not ours or not upstream:
+        return "not compared: a path has no data"
+    worse = []
+    for name in sorted(set(ours) & set(upstream), key=lambda n: (layer_index(n) or 0, n)):
+        o, u = ours[name], upstream[name]
+        beyond = lambda s: s.get("differ", 0) - s.get("near_ties", 0)  # noqa: E731
+        slack = max(1, o.get("topk_rows", 0) // 1000)
+        if beyond(o) > beyond(u) + slack:
+            worse.append(f"{name}: {beyond(o)} top-k picks beyond tolerance vs upstream's {beyond(u)}")
+        if None not in (o.get("attn_err_p99"), u.get("attn_err_p99")) and \
+                o["attn_err_p99"] > factor * u["attn_err_p99"]:
+            worse.append(f"{name}: attention error p99 {o['attn_err_p99']:.2e} vs upstream's "
+                         f"{u['attn_err_p99']:.2e}")
+    if worse:
+        return "further from the reference than upstream: " + "; ".join(worse)
+    return f"as close to the reference as upstream at every layer (attention p99 within {factor}x)"
 
 
 class Capture:
@@ -374,6 +401,10 @@ def main() -> int:
         v = verdict(r.get("layers", {}), kv) if "error" not in r else "FAILED (log below)"
         lines.append(f"- {kv} / {path}: {v}. Calls: {r.get('calls', {})}; not hooked: "
                      f"{r.get('not_hooked', [])}; unpaired indexer samples: {r.get('unpaired_indexer_samples')}")
+    for kv in args.kv.split(","):
+        up, tri = results.get(f"{kv}/upstream", {}), results.get(f"{kv}/triton", {})
+        if "layers" in up and "layers" in tri:
+            lines.append(f"- {kv}, Triton vs upstream: {against_upstream(tri['layers'], up['layers'])}")
     for key, r in results.items():
         if "error" in r:
             lines += ["", f"<details><summary>{key} log</summary>", "", "```", r.get("log", ""), "```",

@@ -178,6 +178,17 @@ def test_layerwise_verdict_separates_rounding_from_a_defect():
     assert LW.verdict({}, "auto").startswith("no data")
 
 
+def test_against_upstream_holds_ours_to_upstreams_own_distance_from_the_reference():
+    up = {"l0": {"topk_rows": 100, "differ": 6, "near_ties": 2, "attn_err_p99": 4e-3}}
+    same = {"l0": {"topk_rows": 100, "differ": 7, "near_ties": 2, "attn_err_p99": 5e-3}}
+    assert LW.against_upstream(same, up).startswith("as close")     # a shared cause is not ours
+    more = {"l0": {"topk_rows": 100, "differ": 12, "near_ties": 2, "attn_err_p99": 5e-3}}
+    assert "top-k picks beyond tolerance" in LW.against_upstream(more, up)
+    worse = {"l0": {"topk_rows": 100, "differ": 6, "near_ties": 2, "attn_err_p99": 9e-3}}
+    assert "attention error p99 9.00e-03 vs upstream's 4.00e-03" in LW.against_upstream(worse, up)
+    assert LW.against_upstream({}, up).startswith("not compared")
+
+
 def _fake_layer(g, T=6, N=40, H=4, D=16, topk=8):
     """One layer's indexer inputs (two prefill chunks of one request, keys 0..N) and its cache."""
     q = (torch.randn(T, H, D, generator=g) * 2).to(torch.float8_e4m3fn)
@@ -309,4 +320,5 @@ def test_layerwise_main_runs_one_engine_per_cache_and_path_and_writes_the_table(
     text = out.read_text()
     assert "| auto | triton | model.layers.0.self_attn.attn | 1 | 1.0000 |" in text
     assert "- auto / upstream: rounding" in text and "| fp8_ds_mla | triton | FAILED: exit 1 |" in text
+    assert "- auto, Triton vs upstream: as close to the reference as upstream" in text
     assert "Traceback: boom" in text and json.loads(out.with_suffix(".json").read_text())["auto/triton"]
