@@ -3,6 +3,8 @@ loops written here and the overlay's own references, on small random inputs on C
 comparisons: top-k sets with ties and wrong picks, attention errors of a right and a poisoned output."""
 
 import math
+import sys as _sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,7 +191,7 @@ def test_against_upstream_holds_ours_to_upstreams_own_distance_from_the_referenc
     assert LW.against_upstream({}, up).startswith("not compared")
 
 
-def _fake_layer(g, T=6, N=40, H=4, D=16, topk=8):
+def _fake_layer(g, T=6, N=40, H=4, D=16):
     """One layer's indexer inputs (two prefill chunks of one request, keys 0..N) and its cache."""
     q = (torch.randn(T, H, D, generator=g) * 2).to(torch.float8_e4m3fn)
     k = (torch.randn(N, D, generator=g) * 2).to(torch.float8_e4m3fn)
@@ -217,21 +219,23 @@ class _Op:
         self.k_cache = type("C", (), {"prefix": f"model.layers.{i}.self_attn.indexer.k_cache"})()
 
 
-def _engine_step(cap, layers, topk, pick=None, attention=None, g=None):
+def _engine_step(cap, layers, topk, pick=None, attention=None, g=None, logits=None, D=16):
     """What vLLM does per layer in one prefill step, with the hooks of layerwise.install: the indexer
-    op (two logits calls, 3 rows each), the top-k into the shared buffer, forward_mqa -> attention."""
-    logits_fn = cap.indexer("indexer.fp8_fp4_mqa_logits",
-                            lambda q, kv, w, ks, ke, clean_logits=False: KI.fp8_mqa_logits_ref(q, kv, w, ks, ke))
+    op (two logits calls, 3 rows each, q passed as vLLM 0.20+ does: (values, None)), the top-k into
+    the shared buffer, forward_mqa -> attention."""
+    ref_logits = lambda q, kv, w, ks, ke, clean_logits=False: KI.fp8_mqa_logits_ref(q[0], kv, w, ks, ke)  # noqa: E731
+    logits_fn = cap.indexer("indexer.fp8_fp4_mqa_logits", logits or ref_logits)
     attn_fn = cap.attention("sparse_mla.sparse_mla_attention", attention or KS.sparse_mla_attention)
     buf = torch.full((6, topk), -1, dtype=torch.int32)
     cache = torch.randn(4, 16, 576, generator=g).to(torch.bfloat16)
     q_attn = torch.randn(6, 6, 576, generator=g).to(torch.bfloat16)      # 6 heads: 2 of padding
     for i in layers:
-        q, kv, w, ks, ke = _fake_layer(g, topk=topk)
+        q, kv, w, ks, ke = _fake_layer(g, D=D)
 
         def indexer_forward(op):
             for lo, hi in ((0, 3), (3, 6)):
-                lg = logits_fn(q[lo:hi], kv, w[lo:hi], ks[lo:hi], ke[lo:hi], clean_logits=False)
+                lg = logits_fn((q[lo:hi], None), kv, w[lo:hi], ks[lo:hi].int(), ke[lo:hi].int(),
+                               clean_logits=False)
                 top = torch.topk(lg, topk, dim=1).indices.int()      # keys from 0: local = key
                 buf[lo:hi] = top if pick is None else pick(top)
 
@@ -322,3 +326,26 @@ def test_layerwise_main_runs_one_engine_per_cache_and_path_and_writes_the_table(
     assert "- auto / upstream: rounding" in text and "| fp8_ds_mla | triton | FAILED: exit 1 |" in text
     assert "- auto, Triton vs upstream: as close to the reference as upstream" in text
     assert "Traceback: boom" in text and json.loads(out.with_suffix(".json").read_text())["auto/triton"]
+
+
+def test_the_overlays_real_kernels_interpreted_are_rounding_layer_by_layer():
+    """The overlay's own Triton kernels (indexer logits with D = 128, sparse attention), run by Triton's
+    CPU interpreter, through the same hooks: every top-k pick matches the float64 reference and the
+    attention error is bf16 rounding."""
+    from tools.triton_interp import load_interpreted
+
+    root = Path(__file__).resolve().parents[2]
+    M = _sys.modules.get("_sparse_mla_interpreted") or load_interpreted(
+        root / "overlay" / "kernels" / "sparse_mla.py", "_sparse_mla_interpreted")
+    ix = _sys.modules.get("_indexer_interpreted") or load_interpreted(
+        root / "overlay" / "kernels" / "indexer.py", "_indexer_interpreted")
+    g = torch.Generator().manual_seed(6)
+    cap = LW.Capture(topk=8, rows=3)
+    cap.on = True
+    _engine_step(cap, [0, 1], 8, g=g, logits=ix.fp8_fp4_mqa_logits, attention=M.sparse_mla_attention, D=128)
+    s = cap.summary()
+    assert len(s) == 2 and not cap.pending
+    for layer in s.values():
+        assert layer["topk_rows"] == 6 and layer["differ"] == layer["near_ties"]
+        assert layer["logit_err_max"] < 1e-5 and 0 < layer["attn_err_max"] < 2 ** -7
+    assert LW.verdict(s, "auto").startswith("rounding")
