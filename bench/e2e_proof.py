@@ -1,50 +1,39 @@
-"""End-to-end proof on the H200: TRITON_MLA_SPARSE + the Triton indexer inside vLLM 0.23.0 agree
-with upstream (FLASHMLA_SPARSE + DeepGEMM) and run with every vendor DSA kernel made to raise.
+"""End-to-end proof on the H200: TRITON_MLA_SPARSE + the Triton indexer inside vLLM agree with upstream
+(FLASHMLA_SPARSE + DeepGEMM, asked for by name) within upstream's own noise floor, and run with every
+vendor DSA kernel made to raise (call counters, and a torch.profiler census of the CUDA kernels).
 
-One command, one device call (vLLM 0.23.0 staged at /root/site, see ../shared/device/README.md):
+One command per device call (vLLM staged at /root/site and the overlay applied, bench/README.md):
 
-    . /root/vllm-env.sh && python3 bench/e2e_proof.py --site /root/site --out $OUT/e2e_proof.md
+    . /root/vllm-env.sh && python3 bench/e2e_proof.py --site /root/site --workdir .e2e_work \
+        --max-minutes 9 --out $OUT/e2e_proof.md [--gguf-fixture .fixtures/h200]
 
-Isolation mode (one device call that pins a mismatch on a component; all runs eager, no tok/s):
+and, to continue where the budget stopped (same warm machine, same --workdir), the same command with
+`--resume`. Plans (`--plan`): `h200` (default; vLLM 0.20.0 and 0.24.0+): per model and cache dtype, in
+order of value, upstream eager, Triton eager and upstream with 512-token prefill chunks (its noise
+floor), for the GLM-5-shaped model, a DeepSeek-V3.2-shaped one (deepseek_v32, 64 index heads, top-k
+2048, prompts of 2600-3500 tokens), a GLM-5.2-style one (index_topk_freq 2: layers without an
+indexer), bf16 and fp8_ds_mla, CUDA graphs with decode tok/s, the GGUF fixture's BF16 / Q8_0 / Q4_K_M
+files (with --gguf-fixture), and FLASH_ATTN_MLA_SPARSE as a second upstream reference (informative);
+`h200-0.23` (the stored 0.23.0 proof, for --rejudge); `isolate` (= --isolate: pins a mismatch on a
+component: Triton attention + DeepGEMM indexer, FlashMLA + Triton indexer; all eager, no tok/s);
+`isolate-dsv32` (the same for the DeepSeek-V3.2-shaped model, 5 engines, ~3.5 min).
 
-    . /root/vllm-env.sh && python3 bench/e2e_proof.py --site /root/site --isolate \
-        --out $OUT/e2e_isolate.md
+Budget (`--max-minutes`, default 7.8): runs start in plan order while their estimate (plan.estimate_s,
+from the stored H200 logs) fits in what is left; the first that does not ends the call. After every
+run the report ($OUT/e2e_proof.md), the raw JSON beside it and the tables for bench/RESULTS.md
+($OUT/e2e_proof-results.md) are rewritten, so a cut or a killed call still leaves partial tables.
+Each engine runs in its own worker process, one at a time (`--parallel N` for more; ../shared/FACTS.md: engines
+started together fail at random); a worker prints its result and ends with os._exit (a vLLM 0.26.0
+engine does not exit by itself), and one that hangs is killed at its timeout.
 
-runs, on the same prompts and schedule, upstream (FLASHMLA_SPARSE + DeepGEMM), the Triton path,
-Triton attention + DeepGEMM indexer (explicit TRITON_MLA_SPARSE, portable switch off), FlashMLA +
-Triton indexer (explicit FLASHMLA_SPARSE, DSA_OVERLAY_INDEXER=triton), and upstream with CUDA graphs
-(the execution-noise floor), and dumps for every attention call of the teacher-forced pass the
-indexer's top-k rows and the attention output (before W_UV). The report compares each run with
-upstream per layer, split at position < index_topk / >= index_topk: top-k set agreement and output
-relative error. Layer 0 sees bit-identical inputs in every run, so there any top-k difference is
-an indexer bug and any output error above bf16 rounding (~4e-3) an attention bug; later layers
-inherit the differences of earlier ones. The default proof dumps too (its layer-0 checks; `--no-dump`
-skips them).
+Per-layer dumps (default; `--no-dump` skips them; models with top-k <= 256 only): for every attention
+call of the teacher-forced pass, the indexer's top-k rows and the attention output; layer 0 sees
+bit-identical inputs in every run, so there any top-k difference is an indexer bug and any output
+error above bf16 rounding an attention bug. The layer-by-layer comparison of each path with a float64
+reference is bench/e2e/layerwise.py.
 
-What it does (each vLLM engine in its own subprocess, whole run < 8 minutes):
-1. Patched vLLM: with `--apply` (and apply.py present) runs `apply.py --vllm-site-packages SITE`
-   then `verify.py`; if SITE already carries the overlay it is used as is; otherwise a private
-   patched copy is staged in a temp dir (hard links + the real engine; SITE is never written).
-2. Saves two tiny random `GlmMoeDsaForCausalLM` checkpoints (transformers, initializer_range 0.1
-   so logits are not flat; `topk_method="noaux_tc"`):
-   A "glm5": GLM-5 attention dims (kv_lora_rank 512, qk_rope 64, qk_nope 192, v_head 256),
-      16 heads, index_n_heads 32, index_topk 256 - upstream can run it on Hopper;
-   B "odd": 12 heads, index_n_heads 8, index_topk 200 - upstream cannot (DeepGEMM wants 32/64
-      index heads, FlashMLA index_topk % 128 == 0).
-3. Runs, on 4 prompts of 300-560 token ids (longer than index_topk; max_num_batched_tokens 256
-   so prefills are chunked): 48 greedy steps, teacher-forced `prompt_logprobs` over
-   prompt + a fixed continuation, and (graphs on, model A) decode tokens/s at batch 16.
-   Portable runs set DSA_OVERLAY_PORTABLE=1 and replace FlashMLA's and DeepGEMM's DSA entry points
-   by functions that raise; call counters prove which kernels ran.
-4. Writes a markdown report to --out (tables + pass/fail lines) and the raw JSON beside it.
-
-Time: runs without a tok/s measurement go first, up to --parallel (default 4) engines at once on the
-one GPU (each with a small memory share; a run that fails in vLLM's memory profiling because a
-neighbour started or stopped is retried alone at the end); the tok/s runs follow one at a time on
-an otherwise idle GPU. The TF logprob noise floor comes from upstream graphs vs upstream eager.
-
-No GPU: `--rejudge run.json[,later.json]` rebuilds the report of stored runs with today's rules.
-The code: bench/e2e/ (plan, worker, run, judge, report); this file is the command line only.
+No GPU: `--rejudge run.json[,later.json] --plan h200-0.23` rebuilds the report of stored runs with
+today's rules. The code: bench/e2e/ (plan, worker, run, judge, report); this file is the command line.
 """
 
 from __future__ import annotations
@@ -62,7 +51,15 @@ from bench.e2e import plan  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--site", default="/root/site", help="site-packages holding vLLM 0.23.0")
+    ap.add_argument("--site", default="/root/site", help="site-packages holding vLLM")
+    ap.add_argument("--plan", default="h200", choices=sorted(plan.PLANS),
+                    help="what to run (h200-0.23: the stored 0.23.0 proof)")
+    ap.add_argument("--max-minutes", type=float, default=plan.TIME_BUDGET_S / 60,
+                    help="start no run whose estimate does not fit in what is left of this")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the finished runs of an earlier call with the same --workdir")
+    ap.add_argument("--gguf-fixture", default=None, metavar="DIR",
+                    help="tests/fixtures/make_glm_dsa_gguf.py --variant h200 output: run its GGUFs")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e_proof.md"))
     ap.add_argument("--apply", action="store_true", help="run apply.py + verify.py on --site first")
     ap.add_argument("--workdir", default=None, help="where to save the tiny checkpoints and dumps")
@@ -71,7 +68,7 @@ def main():
                     help="component isolation runs (eager, with per-layer dumps) instead of the proof")
     ap.add_argument("--no-dump", action="store_true",
                     help="skip the per-layer dumps (and the layer-0 checks) in the default proof")
-    ap.add_argument("--parallel", type=int, default=4,
+    ap.add_argument("--parallel", type=int, default=1,
                     help="engines at once for runs without a tok/s measurement (1 = one at a time)")
     ap.add_argument("--rejudge", default=None, metavar="JSON",
                     help="no GPU: rebuild the report of an earlier run from its JSON (runs + dumps) "
@@ -79,21 +76,22 @@ def main():
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        from bench.e2e.worker import worker
+        from bench.e2e.worker import serve, worker
 
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
-        return
-    runs = plan.ISOLATE_RUNS if args.isolate else plan.RUNS
-    comparisons = plan.ISOLATE_COMPARISONS if args.isolate else plan.COMPARISONS
+        serve(worker, args.worker)
+    if args.isolate:
+        args.plan = "isolate"
+    args.isolate = args.plan.startswith("isolate")
+    the_plan = plan.PLANS[args.plan]
     if args.rejudge:
         from bench.e2e.report import rejudge
 
-        text, ok = rejudge(args, runs, comparisons)
+        text, ok = rejudge(args, the_plan)
         Path(args.out).write_text(text)
     else:
         from bench.e2e.run import prove
 
-        text, ok = prove(args, runs, comparisons)
+        text, ok = prove(args, the_plan)
     print(text)
     sys.exit(0 if ok else 1)
 

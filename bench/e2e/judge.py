@@ -89,16 +89,23 @@ def compare(a: dict, b: dict, index_topk: int) -> dict:
 
 
 def kernels_ok(path: str, r: dict) -> bool:
-    """The run used exactly the attention and indexer kernels its path names."""
+    """The run used exactly the attention and indexer kernels its path names; where the run took a
+    profiler census (plan.vendor_kernel names), the Triton path ran no vendor DSA kernel and upstream
+    ran some (else the census cannot see them and proves nothing)."""
     ven, tri = r["vendor_calls"], r["triton_calls"]
     count = lambda d, *prefixes: sum(v for k, v in d.items() if k.startswith(prefixes))  # noqa: E731
     ven_attn = count(ven, "flashmla")
+    ven_fa = count(ven, "flashattn_mla_sparse.")
     ven_idx = count(ven, "deep_gemm.fp8", "sparse_attn_indexer.fp8")
     tri_attn, tri_idx = count(tri, "sparse_mla."), count(tri, "indexer.")
+    census = sum(r["census"]["vendor"].values()) if "census" in r else None
     if path == "upstream":
-        return ven_attn > 0 and ven_idx > 0 and tri_attn == 0 and tri_idx == 0
+        return (ven_attn > 0 and ven_idx > 0 and tri_attn == 0 and tri_idx == 0
+                and (census is None or census > 0))
+    if path == "upstream_fa":
+        return ven_fa > 0 and ven_idx > 0 and ven_attn == 0 and tri_attn == 0 and tri_idx == 0
     if path == "triton":
-        return tri_attn > 0 and tri_idx > 0 and sum(ven.values()) == 0
+        return tri_attn > 0 and tri_idx > 0 and sum(ven.values()) == 0 and census in (None, 0)
     if path == "attn_triton":
         return tri_attn > 0 and ven_idx > 0 and ven_attn == 0 and tri_idx == 0
     if path == "idx_triton":

@@ -5,10 +5,13 @@ portable path). Returns one JSON-able dict; imports vLLM only inside worker().""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 
-from .plan import GREEDY_STEPS, TPS_BATCH, TRITON_ENTRY_POINTS, VENDOR_ENTRY_POINTS
+from .plan import (ATTENTION_BACKEND, GREEDY_STEPS, TPS_BATCH, TRITON_ENTRY_POINTS, VENDOR_ENTRY_POINTS,
+                   vendor_kernel)
 
 
 def _instrument(modules: dict, counts: dict, raise_on_call: bool):
@@ -62,6 +65,23 @@ class _Dumper:
         cls.forward_mqa = forward_mqa
 
 
+def _census(fn):
+    """(fn(), the CUDA kernels it launched: how many distinct, the vendor DSA ones by name with their
+    counts, the 12 most launched) from torch.profiler (the engine runs in this process)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+    names = collections.Counter(e.name for e in prof.events()
+                                if e.device_type == torch.autograd.DeviceType.CUDA)
+    return out, {"kernels": len(names),
+                 "vendor": {k[:160]: v for k, v in names.items() if vendor_kernel(k)},
+                 "top": [[k[:160], v] for k, v in names.most_common(12)]}
+
+
 def _top5(logprobs: dict) -> list:
     """The five most likely token ids of one position of vLLM's logprobs output."""
     return sorted(logprobs, key=lambda k: -logprobs[k].logprob)[:5]
@@ -93,16 +113,15 @@ def worker(spec: dict) -> dict:
 
     kwargs = dict(
         model=spec["model_dir"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-        max_model_len=1024, max_num_seqs=TPS_BATCH, max_num_batched_tokens=spec.get("chunk", 256),
+        max_model_len=spec.get("max_model_len", 1024), max_num_seqs=TPS_BATCH, max_num_batched_tokens=spec.get("chunk", 256),
         gpu_memory_utilization=spec.get("mem", 0.5), kv_cache_dtype=spec["kv"],
         enable_prefix_caching=False,
     )
-    if path == "upstream" and spec["explicit_upstream"]:
-        kwargs["attention_backend"] = "FLASHMLA_SPARSE"
-    elif path == "idx_triton":
-        kwargs["attention_backend"] = "FLASHMLA_SPARSE"
-    elif path == "attn_triton":
-        kwargs["attention_backend"] = "TRITON_MLA_SPARSE"
+    if spec.get("tokenizer"):   # a GGUF file: its fixture's tokenizer folder
+        kwargs["tokenizer"] = spec["tokenizer"]
+    # upstream is asked for FLASHMLA_SPARSE by name (vLLM 0.26.0 would pick FLASH_ATTN_MLA_SPARSE)
+    if path in ATTENTION_BACKEND:
+        kwargs["attention_backend"] = ATTENTION_BACKEND[path]
     if spec["graphs"]:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
     else:
@@ -124,8 +143,14 @@ def worker(spec: dict) -> dict:
 
     tf = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5, detokenize=False)
     dumper.on = bool(spec.get("dump_path"))
-    tf_outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in spec["tf_sequences"]], tf,
-                           use_tqdm=False)
+    def tf_pass():
+        return llm.generate([TokensPrompt(prompt_token_ids=s) for s in spec["tf_sequences"]], tf,
+                            use_tqdm=False)
+
+    if spec.get("census"):
+        tf_outs, result["census"] = _census(tf_pass)
+    else:
+        tf_outs = tf_pass()
     dumper.on = False
     if spec.get("dump_path"):
         import torch
@@ -153,3 +178,19 @@ def worker(spec: dict) -> dict:
     result["vendor_calls"] = vendor_calls
     result["triton_calls"] = triton_calls
     return result
+
+
+def serve(fn, spec_json: str):
+    """A worker process's whole life: fn(spec) printed as one RESULT line, or its traceback; then
+    os._exit (0 / 1), since a vLLM 0.26.0 engine keeps the process alive after generate (../shared/FACTS.md)."""
+    try:
+        print("RESULT " + json.dumps(fn(json.loads(spec_json))), flush=True)
+        code = 0
+    except BaseException:  # noqa: BLE001 - the traceback is the parent's log; the process must end
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
