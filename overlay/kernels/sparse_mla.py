@@ -146,16 +146,18 @@ def _pv_tile(acc, alpha, p, v, scale, POST: tl.constexpr, DOT_DTYPE: tl.constexp
 @triton.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, kv_ptr, idx_ptr,
+    req_ptr, bt_ptr,             # PAGED: request of each token [T] and block table [R, max_blocks], int32
     out_ptr, lse_ptr,            # final outputs (SPLIT=False)
     po_ptr, plse_ptr,            # fp32 partials [T, H, S, 512] / [T, H, S] contiguous (SPLIT=True)
     H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
     stride_qt, stride_qh,
     stride_kvb, stride_kvt,
-    stride_it,
+    stride_it, stride_btr, max_blocks,
     stride_ot, stride_oh, stride_lt, stride_lh,
     sm_scale_log2,
     IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
+    PAGED: tl.constexpr = False,
 ):
     # program -> (token, split, value half, head group), head group fastest: programs that share a
     # token's KV rows run side by side and hit L2 for each other.
@@ -205,10 +207,18 @@ def _sparse_mla_fwd_kernel(
     end = start + split_len
     end = tl.where(end < topk, end, topk)
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    if PAGED:  # indices are positions in the token's request: the block table gives the slot
+        bt_row = bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_btr
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         slot = tl.load(idx_row + offs_n, mask=nmask, other=-1)
+        if PAGED:
+            pos = tl.where(slot >= 0, slot, 0)
+            lblk = pos // block_size
+            inside = nmask & (slot >= 0) & (lblk < max_blocks)
+            phys = tl.load(bt_row + lblk, mask=inside, other=-1)
+            slot = tl.where(inside & (phys >= 0), phys * block_size + (pos - lblk * block_size), -1)
         valid = nmask & (slot >= 0) & (slot < num_slots)
         slot = tl.where(valid, slot, 0)
         blk = slot // block_size
@@ -327,6 +337,18 @@ INTERPRETED = type(_sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
 def _interpreting() -> bool:
     """The old name of INTERPRETED, kept for the kernel tests that still call it."""
     return INTERPRETED
+
+
+try:  # imported as part of the kernels package (vLLM, the GPU checks, bench/launch_census.py)
+    from .launch import DirectLauncher as _Launcher
+except ImportError:  # loaded by path (interpreter tests, cross-compile workers): Triton's JIT entry
+    def _Launcher(fn):
+        return lambda grid, *args, **kwargs: fn[grid](*args, **kwargs)
+
+# Host launch cost: cached CompiledKernels launched past Triton's JIT entry (overlay/kernels/launch.py).
+_fwd_launch = _Launcher(_sparse_mla_fwd_kernel)
+_combine_launch = _Launcher(_sparse_mla_combine_kernel)
+LAUNCHERS = [x for x in (_fwd_launch, _combine_launch) if hasattr(x, "enabled")]
 
 
 @dataclass(frozen=True)
@@ -610,7 +632,22 @@ def _slot_view(kv_cache: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, in
     return kv_cache, stride_b, stride_t, block_size, num_blocks * block_size
 
 
-def _check_inputs(q, kv_cache, indices, kv_format):
+def _check_paged(q, indices, block_table, req_id) -> bool:
+    """True when request-local indices come with their block table (see sparse_mla_attention)."""
+    if block_table is None and req_id is None:
+        return False
+    if block_table is None or req_id is None:
+        raise ValueError("sparse_mla_attention: block_table and req_id go together (request-local indices)")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        raise ValueError(f"sparse_mla_attention: block_table must be [num_reqs, max_blocks] int32 with contiguous "
+                         f"rows, got {tuple(block_table.shape)} {block_table.dtype}")
+    if req_id.dim() != 1 or req_id.dtype != torch.int32 or req_id.shape[0] < q.shape[0] or req_id.stride(0) != 1:
+        raise ValueError(f"sparse_mla_attention: req_id must be a contiguous int32 [>= T={q.shape[0]}], got "
+                         f"{tuple(req_id.shape)} {req_id.dtype}")
+    return True
+
+
+def _check_inputs(q, kv_cache, indices, kv_format, paged=False):
     if kv_format not in KV_FORMATS:
         raise ValueError(f"sparse_mla_attention: kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
     if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
@@ -619,7 +656,8 @@ def _check_inputs(q, kv_cache, indices, kv_format):
         raise ValueError(f"sparse_mla_attention: H must be in 1..128, got {q.shape[1]}")
     if indices.dim() == 3 and indices.shape[1] == 1:  # FlashMLA's [T, h_kv=1, topk]
         indices = indices[:, 0]
-    if indices.dim() != 2 or indices.shape[0] != q.shape[0] or indices.shape[1] < 1:
+    rows_ok = indices.shape[0] >= q.shape[0] if paged and indices.dim() == 2 else indices.shape[0] == q.shape[0]
+    if indices.dim() != 2 or not rows_ok or indices.shape[1] < 1:
         raise ValueError(f"sparse_mla_attention: indices must be [T={q.shape[0]}, topk>=1], "
                          f"got {tuple(indices.shape)}")
     if indices.dtype != torch.int32:
@@ -642,6 +680,8 @@ def sparse_mla_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     config: SparseMLAConfig | None = None,
+    block_table: torch.Tensor | None = None,
+    req_id: torch.Tensor | None = None,
     _fp8_native: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over a paged latent KV cache (decode and prefill alike).
@@ -668,6 +708,13 @@ def sparse_mla_attention(
             last dimension contiguous.
         lse: optional [T, H] float32 tensor to write the log-sum-exp into (any strides).
         config: optional :class:`SparseMLAConfig`; default :func:`choose_config` for this device.
+        block_table, req_id: give both to pass request-local indices (vLLM's indexer output) instead of
+            slot ids: ``indices[t, j]`` is then a position p in token t's request, read from slot
+            ``block_table[req_id[t], p // block_size] * block_size + p % block_size`` (block_size: the
+            cache's); p < 0, a block past the table's width or a negative table entry is skipped.
+            block_table: [num_reqs, max_blocks] int32, rows contiguous; req_id: [>= T] int32 (rows past
+            T unread); indices may then have more than T rows (a fixed-address buffer; rows past T are
+            unread). Same result as converting the indices first, without the conversion's torch ops.
         _fp8_native: testing hook: force (True) or avoid (False) the native e4m3 conversion
             (default: native on sm_89+ and in the interpreter, bit-manipulation on sm_80/86).
 
@@ -676,10 +723,13 @@ def sparse_mla_attention(
         lse: [T, H] float32, natural-log log-sum-exp of the scaled scores over the valid indices.
         A row without any valid index gets out = 0 and lse = -inf (never NaN).
     """
-    indices = _check_inputs(q, kv_cache, indices, kv_format)
+    paged = _check_paged(q, indices, block_table, req_id)
+    indices = _check_inputs(q, kv_cache, indices, kv_format, paged)
     if kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8:
         kv_cache = kv_cache.view(torch.uint8)
     kv, stride_b, stride_t, block_size, num_slots = _slot_view(kv_cache, kv_format)
+    if not paged:
+        block_table = req_id = indices  # unread (PAGED=False)
     if q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_mla_attention: q must be bfloat16, got {q.dtype}")
     if q.stride(-1) != 1:
@@ -722,22 +772,23 @@ def sparse_mla_attention(
     if config.dv_split not in (1, 2):
         raise ValueError(f"sparse_mla_attention: bad config {config}: dv_split must be 1 or 2")
     grid = (T * num_splits * config.dv_split * num_head_groups,)
-    _sparse_mla_fwd_kernel[grid](
-        q, kv, indices, out, lse, po, plse,
+    _fwd_launch(
+        grid, q, kv, indices, req_id, block_table, out, lse, po, plse,
         H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
         q.stride(0), q.stride(1),
         stride_b, stride_t,
-        indices.stride(0),
+        indices.stride(0), block_table.stride(0), block_table.shape[1],
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         float(softmax_scale) * _LOG2E,
         IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=split, DOT_F32=INTERPRETED,
         BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split, FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla",
+        PAGED=paged,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         chunk, block_d = _combine_bucket(num_splits)
-        _sparse_mla_combine_kernel[(T * H, KV_LORA_RANK // block_d)](
-            po, plse, out, lse, H, num_splits,
+        _combine_launch(
+            (T * H, KV_LORA_RANK // block_d), po, plse, out, lse, H, num_splits,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1,
         )
