@@ -65,7 +65,7 @@ class _FakeCompiled:
         return {"name": self.name, "stream": stream}
 
     def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_, *args):
-        if enter.calls:
+        if enter is not None and enter.calls:  # the CUDA launcher calls a hook that is not None
             enter(launch_metadata)
         self._launches.append((self, (gx, gy, gz), stream, function, packed, args))
 
@@ -227,6 +227,11 @@ def make_cases(device: str, small: bool):
         cases.append(("backend forward (ops.sparse_mla_forward)", f"T={T} H=64",
                       lambda qp=q_pair, local=local, req_id=req_id, bt=block_table:
                       ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16")))
+        # before the block-table lookup moved into the kernel: torch converts the indices, then the kernel
+        cases.append(("backend forward, indices converted by torch (before)", f"T={T} H=64",
+                      lambda qp=q_pair, local=local, req_id=req_id, bt=block_table:
+                      ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16",
+                                             attention=SM.sparse_mla_attention)))
     # indexer: paged decode logits (B requests, context 4096), prefill logits (M x N)
     cache = torch.randint(0, 120, (slots // bs, bs, 1, 132), generator=g, dtype=torch.uint8).to(device)
     for B in ((1, 32) if small else (1, 128)):

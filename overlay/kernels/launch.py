@@ -19,7 +19,8 @@ Where it stands aside (the JIT path runs, unchanged): ``DSA_OVERLAY_DIRECT_LAUNC
 when a launcher is made); the interpreter (``TRITON_INTERPRET=1``); a Triton other than 3.6 (the version
 whose ``run`` this mirrors); a kernel with pre-run hooks, annotated runtime parameters or a constexpr
 parameter before a runtime one; ``TRITON_DEBUG`` / an instrumentation mode; and any call whose key has not
-been seen. Launch hooks (profilers) are honoured as in ``JITFunction.run``.
+been seen. Launch hooks (profilers) are honoured as in ``JITFunction.run``; with none registered the
+launcher gets None for them (it then skips them) instead of the empty hook chains and a metadata dict.
 
 Self-contained: torch and triton only (dropped into vLLM beside the kernels that use it).
 """
@@ -112,8 +113,7 @@ class DirectLauncher:
         """The cache key of one call: device, Triton's specialisation of every runtime argument, and the
         keywords. Raises TypeError for an argument Triton cannot specialise (the JIT path then reports)."""
         backend = self.fn.device_caches[device][3]
-        spec = tuple([_specialize(backend, a, c, s, al)[:2]
-                      for a, (c, s, al) in zip(args, self._flags)])
+        spec = tuple([_specialize(backend, a, c, s, al) for a, (c, s, al) in zip(args, self._flags)])
         return (device, spec, tuple(kwargs.items()))
 
     def _tail(self, kwargs):
@@ -154,9 +154,12 @@ class DirectLauncher:
         stream = get_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *full),
-                   runtime.launch_enter_hook, runtime.launch_exit_hook, *full)
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if getattr(enter, "calls", True) or getattr(exit_, "calls", True):
+            metadata = kernel.launch_metadata(grid, stream, *full)
+        else:  # no hook to call: the launcher skips None (no metadata dict, no empty-chain calls)
+            metadata = enter = exit_ = None
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *full)
         return kernel
 
     def _remember(self, key, kernel, kwargs):

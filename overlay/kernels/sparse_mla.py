@@ -632,6 +632,11 @@ def _slot_view(kv_cache: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, in
     return kv_cache, stride_b, stride_t, block_size, num_blocks * block_size
 
 
+def _cdiv(a: int, b: int) -> int:
+    """triton.cdiv without its per-call JIT-callable overhead (host launch path)."""
+    return -(-a // b)
+
+
 def _check_paged(q, indices, block_table, req_id) -> bool:
     """True when request-local indices come with their block table (see sparse_mla_attention)."""
     if block_table is None and req_id is None:
@@ -757,10 +762,10 @@ def sparse_mla_attention(
     if bh not in (16, 32, 64, 128) or bn not in (16, 32, 64, 128):
         raise ValueError(f"sparse_mla_attention: bad config {config}: block_h and block_n must be 16..128, "
                          "powers of two")
-    num_splits = max(1, min(config.num_splits, triton.cdiv(topk, bn)))
-    split_len = triton.cdiv(triton.cdiv(topk, num_splits), bn) * bn
-    num_splits = triton.cdiv(topk, split_len)
-    num_head_groups = triton.cdiv(H, bh)
+    num_splits = max(1, min(config.num_splits, _cdiv(topk, bn)))
+    split_len = _cdiv(_cdiv(topk, num_splits), bn) * bn
+    num_splits = _cdiv(topk, split_len)
+    num_head_groups = _cdiv(H, bh)
     fp8_native = (capability >= (8, 9)) if _fp8_native is None else bool(_fp8_native)
     split = num_splits > 1
     if split:

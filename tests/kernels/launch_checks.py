@@ -40,6 +40,8 @@ def _calls(fake, n):
 
 
 def _same(a, b):
+    """Same kernel object, grid, stream, function handle, packed metadata and arguments (the hooks may differ:
+    with none registered the direct path passes None, which the CUDA launcher skips like an empty chain)."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x[:5] == y[:5]

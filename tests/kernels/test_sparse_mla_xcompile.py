@@ -64,16 +64,19 @@ def _worker(cc: int) -> None:
     capability = TARGETS[cc]
     for fmt in M.KV_FORMATS:
         for (bh, bn, nw, ns, dv, post) in M.candidate_tiles(capability, fmt) + extra_tiles(capability, fmt):
-            for split in (False, True):
+            # PAGED: the backend's launch (request-local indices, block table read in the kernel)
+            for split, paged in ((False, False), (True, False), (False, True), (True, True)):
                 ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fmt == "fp8_ds_mla" else "*bf16",
                         "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                        "req_ptr": "*i32" if paged else "*bf16", "bt_ptr": "*i32" if paged else "*bf16",
                         "po_ptr": "*fp32" if split else "*bf16", "plse_ptr": "*fp32" if split else "*bf16"}
                 consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=capability >= (8, 9), SPLIT=split,
                               DOT_F32=False, BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=dv,
-                              FP8_POST=post and fmt == "fp8_ds_mla")
+                              FP8_POST=post and fmt == "fp8_ds_mla", PAGED=paged)
                 c = cross_compile(M._sparse_mla_fwd_kernel, _signature(M._sparse_mla_fwd_kernel, ptrs),
                                   consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
-                print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns, dv, int(post)], split=split,
+                print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns, dv, int(post)],
+                                      split=split, paged=paged,
                                       shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
                                       spill_stores=c.spill_stores, spill_loads=c.spill_loads,
                                       traps=c.traps)), flush=True)
@@ -122,7 +125,7 @@ def test_every_heuristic_config_fits_and_does_not_spill(tri, cc):
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert any(r["kernel"] == "fwd" for r in rows) and any(r["kernel"] == "combine" for r in rows)
     bad = [r for r in rows if r["shared"] > r["limit"] or r["spill_stores"] or r["spill_loads"] or r["traps"]]
-    table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']}: shared "
+    table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']} paged={r.get('paged')}: shared "
                       f"{r['shared']}/{r['limit']} B, {r['regs']} regs, spills "
                       f"{r['spill_stores']}/{r['spill_loads']} B, traps {r['traps']}" for r in rows)
     assert not bad, (f"triton {tri}, sm_{cc}: configurations over the shared-memory limit, spilling, or "
