@@ -276,9 +276,19 @@ def census(cases, cuda: bool, calls: int):
     return rows
 
 
+def launcher_status() -> str:
+    """Which kernels the direct launch covers here, or why not (overlay/kernels/launch.py)."""
+    from overlay.kernels import indexer as IX
+    from overlay.kernels import sparse_mla as SM
+
+    parts = [f"{x.fn.__name__}: {'direct launch available' if x.reason is None else 'JIT only (' + x.reason + ')'}"
+             for mod in (SM, IX) for x in mod.LAUNCHERS]
+    return "; ".join(parts) or "no DirectLauncher (kernel modules loaded by path?)"
+
+
 def report(rows, device_line: str, cpu: bool) -> str:
     out = [f"# Host launch census ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
-           f"Device: {device_line}. Commit: {_commit()}.", ""]
+           f"Device: {device_line}. Commit: {_commit()}.", "", f"Launchers: {launcher_status()}.", ""]
     if cpu:
         out += ["CPU run (`--cpu`): stand-in Triton driver, no compile, no-op launcher, CPU tensors; counts as "
                 "on the GPU, times are this CPU's (no CUDA launch cost, real CPU compute for torch ops).", ""]

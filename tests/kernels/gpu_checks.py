@@ -9,7 +9,7 @@ as the interpreter tests (tests/kernels/_cases.py); tolerances were measured on 
 Not collected by the suite (no test_ prefix): Triton fixes interpreted or compiled mode for the whole process
 when `triton.language` is first imported, so tests/kernels/test_gpu_kernels.py runs this file in a fresh
 pytest process without TRITON_INTERPRET (and skips without CUDA). Run it directly on a GPU machine:
-``python -m pytest tests/kernels/gpu_checks.py``.
+``python -m pytest --noconftest tests/kernels/gpu_checks.py`` (tests/conftest.py sets TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
