@@ -27,7 +27,6 @@ they do not predict the H200.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import datetime
 import os
@@ -45,77 +44,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.timing import launch_us_per_call  # noqa: E402
-
-# ------------------------------------------------------------------------------------- fake driver
-
-
-class _FakeCompiled:
-    """What JITFunction.run needs of a CompiledKernel: run, function, packed_metadata, launch_metadata."""
-
-    def __init__(self, src, options, launches: list):
-        self.src, self.options, self.function, self.packed_metadata = src, options, object(), ()
-        self._launches = launches
-        self.name = src.fn.__name__
-
-    def launch_metadata(self, grid, stream, *args):
-        from triton import knobs
-
-        if not knobs.runtime.launch_enter_hook.calls:
-            return None
-        return {"name": self.name, "stream": stream}
-
-    def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_, *args):
-        if enter is not None and enter.calls:  # the CUDA launcher calls a hook that is not None
-            enter(launch_metadata)
-        self._launches.append((self, (gx, gy, gz), stream, function, packed, args))
-
-
-class FakeDriver:
-    """A stand-in for Triton's CUDA driver on a machine without one: current device 0, stream 0, target
-    sm_90 (so the real CUDA backend parses options and specialises arguments), a `compile` that builds
-    nothing, and a launcher that records its calls in `launches`."""
-
-    def __init__(self, capability: int = 90):
-        from triton.backends.compiler import GPUTarget
-
-        self.target = GPUTarget("cuda", capability, 32)
-        self.launches: list = []
-        self.compiled: list = []
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def compile(self, src, target=None, options=None, **_):
-        kernel = _FakeCompiled(src, options, self.launches)
-        self.compiled.append(kernel)
-        return kernel
-
-
-@contextlib.contextmanager
-def fake_triton(capability: int = 90):
-    """Make Triton's JIT entry usable on a CPU machine (see FakeDriver). Yields the driver."""
-    import triton.compiler
-    from triton.runtime.driver import driver
-
-    fake = FakeDriver(capability)
-    saved, saved_active = triton.compiler.compile, driver._active
-    driver.set_active(fake)
-    triton.compiler.compile = fake.compile
-    try:
-        yield fake
-    finally:
-        triton.compiler.compile = saved
-        driver._active = saved_active  # reset_active() would look for a real driver
-
+from tools.fake_triton_driver import fake_triton  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ census
 

@@ -14,7 +14,8 @@ impl); everything here is what they call, unit-tested from a checkout:
   fp8_ds_mla) and hands it to the kernel without copying (slot s = block s // bs, offset s % bs).
 * `sparse_mla_forward`: one kernel call for the whole batch (prefill, chunked prefill and decode
   tokens alike: each query token carries its own top-k of cached slots); the kernel reads the block
-  table itself, so a layer costs the host one q concat and the kernel launches (bench/launch_census.py).
+  table and the (q_nope, q_pe) pair itself, so a layer costs the host the kernel launches and their
+  output allocations only (bench/launch_census.py).
 """
 
 from __future__ import annotations
@@ -119,16 +120,16 @@ def sparse_mla_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA for a batch of query tokens: (out [T, H, 512] bf16, lse [T, H] fp32).
 
-    `attention` defaults to the Triton kernel `sparse_mla_attention`, which converts the request-local
-    indices itself (its block_table / req_id arguments: no torch ops per layer beyond the q concat);
+    `attention` defaults to the Triton kernel `sparse_mla_attention`, which reads the (q_nope, q_pe) pair
+    in place and converts the request-local indices itself (its block_table / req_id arguments);
     tests pass a reference, which gets global slot ids from `convert_req_index_to_global`.
     """
-    q = concat_q(q)
-    num_tokens = q.shape[0]
     kv = kv_slots(kv_cache, kv_format)
     if attention is None and kv.shape[1] == block_size:
-        return _kernel()(q, kv, local_indices, softmax_scale, kv_format=kv_format,
+        return _kernel()(q, kv, local_indices,  # q: [T, H, 576] or the pair, read in place softmax_scale, kv_format=kv_format,
                          block_table=block_table, req_id=req_id)
+    q = concat_q(q)
+    num_tokens = q.shape[0]
     slots = convert_req_index_to_global(
         req_id[:num_tokens], block_table, local_indices[:num_tokens], block_size
     )

@@ -145,19 +145,17 @@ def _pv_tile(acc, alpha, p, v, scale, POST: tl.constexpr, DOT_DTYPE: tl.constexp
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    q_ptr, kv_ptr, idx_ptr,
-    req_ptr, bt_ptr,             # PAGED: request of each token [T] and block table [R, max_blocks], int32
+    q_ptr, qpe_ptr, kv_ptr, idx_ptr,   # qpe_ptr + pe_off: the 64 rope values of q (q itself, or q_pe)
     out_ptr, lse_ptr,            # final outputs (SPLIT=False)
     po_ptr, plse_ptr,            # fp32 partials [T, H, S, 512] / [T, H, S] contiguous (SPLIT=True)
     H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
-    stride_qt, stride_qh,
+    stride_qt, stride_qh, stride_pt, stride_ph, pe_off,
     stride_kvb, stride_kvt,
-    stride_it, stride_btr, max_blocks,
+    stride_it,
     stride_ot, stride_oh, stride_lt, stride_lh,
     sm_scale_log2,
     IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
-    PAGED: tl.constexpr = False,
 ):
     # program -> (token, split, value half, head group), head group fastest: programs that share a
     # token's KV rows run side by side and hit L2 for each other.
@@ -193,7 +191,8 @@ def _sparse_mla_fwd_kernel(
     qB = tl.load(q_row[:, None] + cB + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
     qC = tl.load(q_row[:, None] + cC + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
     qD = tl.load(q_row[:, None] + cD + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    qr = tl.load(q_row[:, None] + 512 + r[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    pe_row = qpe_ptr + pe_off + t.to(tl.int64) * stride_pt + offs_h.to(tl.int64) * stride_ph
+    qr = tl.load(pe_row[:, None] + r[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -207,18 +206,10 @@ def _sparse_mla_fwd_kernel(
     end = start + split_len
     end = tl.where(end < topk, end, topk)
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
-    if PAGED:  # indices are positions in the token's request: the block table gives the slot
-        bt_row = bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_btr
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         slot = tl.load(idx_row + offs_n, mask=nmask, other=-1)
-        if PAGED:
-            pos = tl.where(slot >= 0, slot, 0)
-            lblk = pos // block_size
-            inside = nmask & (slot >= 0) & (lblk < max_blocks)
-            phys = tl.load(bt_row + lblk, mask=inside, other=-1)
-            slot = tl.where(inside & (phys >= 0), phys * block_size + (pos - lblk * block_size), -1)
         valid = nmask & (slot >= 0) & (slot < num_slots)
         slot = tl.where(valid, slot, 0)
         blk = slot // block_size
@@ -274,6 +265,26 @@ def _sparse_mla_fwd_kernel(
             tl.store(o + cC, (accC * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
             tl.store(o + cD, (accD * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
         tl.store(lse_ptr + t.to(tl.int64) * stride_lt + offs_h.to(tl.int64) * stride_lh, lse, mask=lmask)
+
+
+@triton.jit
+def _request_slots_kernel(idx_ptr, req_ptr, bt_ptr, slot_ptr, topk, block_size, max_blocks, stride_it, stride_btr,
+                          BLOCK: tl.constexpr):
+    """Request-local top-k positions -> global slot ids (-1 where invalid), BLOCK of one token's per program:
+    slot = block_table[req_id[t], p // block_size] * block_size + p % block_size; p < 0, a block past the table
+    or a negative table entry give -1 (the attention kernel skips it). One launch instead of the torch ops of
+    the backend's conversion (host launch cost)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < topk
+    local = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=m, other=-1)
+    pos = tl.where(local >= 0, local, 0)
+    lblk = pos // block_size
+    inside = m & (local >= 0) & (lblk < max_blocks)
+    row = bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_btr
+    phys = tl.load(row + lblk, mask=inside, other=-1)
+    slot = tl.where(inside & (phys >= 0), phys * block_size + (pos - lblk * block_size), -1)
+    tl.store(slot_ptr + t.to(tl.int64) * topk + offs, slot, mask=m)
 
 
 @triton.jit
@@ -348,7 +359,8 @@ except ImportError:  # loaded by path (interpreter tests, cross-compile workers)
 # Host launch cost: cached CompiledKernels launched past Triton's JIT entry (overlay/kernels/launch.py).
 _fwd_launch = _Launcher(_sparse_mla_fwd_kernel)
 _combine_launch = _Launcher(_sparse_mla_combine_kernel)
-LAUNCHERS = [x for x in (_fwd_launch, _combine_launch) if hasattr(x, "enabled")]
+_slots_launch = _Launcher(_request_slots_kernel)
+LAUNCHERS = [x for x in (_fwd_launch, _combine_launch, _slots_launch) if hasattr(x, "enabled")]
 
 
 @dataclass(frozen=True)
@@ -632,6 +644,9 @@ def _slot_view(kv_cache: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, in
     return kv_cache, stride_b, stride_t, block_size, num_blocks * block_size
 
 
+_SLOTS_BLOCK = 1024  # top-k positions per program of _request_slots_kernel
+
+
 def _cdiv(a: int, b: int) -> int:
     """triton.cdiv without its per-call JIT-callable overhead (host launch path)."""
     return -(-a // b)
@@ -652,10 +667,28 @@ def _check_paged(q, indices, block_table, req_id) -> bool:
     return True
 
 
-def _check_inputs(q, kv_cache, indices, kv_format, paged=False):
+def _split_q(q):
+    """(q or q_nope, the tensor holding the rope values, their offset in it): q [T, H, 576], or the pair
+    (q_nope [T, H, 512], q_pe [T, H, 64]) read in place (no concatenation)."""
+    if not isinstance(q, (tuple, list)):
+        return q, q, KV_LORA_RANK
+    if len(q) != 2:
+        raise ValueError("sparse_mla_attention: q must be a [T, H, 576] tensor or the pair (q_nope, q_pe)")
+    nope, pe = q
+    if nope.dim() != 3 or nope.shape[-1] != KV_LORA_RANK or pe.dim() != 3 or pe.shape[:2] != nope.shape[:2] \
+            or pe.shape[-1] != ROPE_DIM:
+        raise ValueError(f"sparse_mla_attention: the pair (q_nope, q_pe) must be [T, H, 512] and [T, H, 64], got "
+                         f"{tuple(nope.shape)} and {tuple(pe.shape)}")
+    if pe.dtype != torch.bfloat16 or pe.stride(-1) != 1:
+        raise ValueError(f"sparse_mla_attention: q_pe must be bfloat16 with a contiguous last dimension, got "
+                         f"{pe.dtype} strides {pe.stride()}")
+    return nope, pe, 0
+
+
+def _check_inputs(q, kv_cache, indices, kv_format, paged=False, q_width=HEAD_DIM):
     if kv_format not in KV_FORMATS:
         raise ValueError(f"sparse_mla_attention: kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
+    if q.dim() != 3 or q.shape[-1] != q_width:
         raise ValueError(f"sparse_mla_attention: q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
     if not 1 <= q.shape[1] <= 128:
         raise ValueError(f"sparse_mla_attention: H must be in 1..128, got {q.shape[1]}")
@@ -694,7 +727,9 @@ def sparse_mla_attention(
     Arguments:
         q: [T, H, 576] torch.bfloat16. Absorbed queries: 512 "nope" values (q_nope @ W_UK) then 64 rope
             values. T is the number of query tokens (any T >= 0), H any head count in 1..128. The last
-            dimension must be contiguous; T and H may be strided.
+            dimension must be contiguous; T and H may be strided. Or the pair (q_nope [T, H, 512],
+            q_pe [T, H, 64]), both bfloat16 with a contiguous last dimension, read where they are (vLLM's
+            form: no concatenation).
         kv_cache: the paged latent cache, viewed as one row per slot. Shapes accepted:
             [num_blocks, block_size, W], [num_blocks, block_size, 1, W] (FlashMLA's view),
             [num_slots, 1, W] or [num_slots, W]; the last dimension contiguous, blocks may be strided.
@@ -719,7 +754,8 @@ def sparse_mla_attention(
             cache's); p < 0, a block past the table's width or a negative table entry is skipped.
             block_table: [num_reqs, max_blocks] int32, rows contiguous; req_id: [>= T] int32 (rows past
             T unread); indices may then have more than T rows (a fixed-address buffer; rows past T are
-            unread). Same result as converting the indices first, without the conversion's torch ops.
+            unread). Same result as converting the indices first (one small extra launch instead of the
+            conversion's torch ops).
         _fp8_native: testing hook: force (True) or avoid (False) the native e4m3 conversion
             (default: native on sm_89+ and in the interpreter, bit-manipulation on sm_80/86).
 
@@ -728,13 +764,13 @@ def sparse_mla_attention(
         lse: [T, H] float32, natural-log log-sum-exp of the scaled scores over the valid indices.
         A row without any valid index gets out = 0 and lse = -inf (never NaN).
     """
+    q, q_pe, pe_off = _split_q(q)
     paged = _check_paged(q, indices, block_table, req_id)
-    indices = _check_inputs(q, kv_cache, indices, kv_format, paged)
+    indices = _check_inputs(q, kv_cache, indices, kv_format, paged,
+                            q_width=HEAD_DIM if pe_off else KV_LORA_RANK)
     if kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8:
         kv_cache = kv_cache.view(torch.uint8)
     kv, stride_b, stride_t, block_size, num_slots = _slot_view(kv_cache, kv_format)
-    if not paged:
-        block_table = req_id = indices  # unread (PAGED=False)
     if q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_mla_attention: q must be bfloat16, got {q.dtype}")
     if q.stride(-1) != 1:
@@ -756,6 +792,12 @@ def sparse_mla_attention(
         return out, lse
 
     capability, sm_count = _device_info(q.device)
+    if paged:  # request-local positions -> slot ids: one small launch (the backend's conversion rule)
+        slots = torch.empty((T, topk), dtype=torch.int32, device=q.device)
+        _slots_launch((T, _cdiv(topk, _SLOTS_BLOCK)), indices, req_id, block_table, slots, topk, block_size,
+                      block_table.shape[1], indices.stride(0), block_table.stride(0), BLOCK=_SLOTS_BLOCK,
+                      num_warps=4, num_stages=1)
+        indices = slots
     if config is None:
         config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
     bh, bn = config.block_h, config.block_n
@@ -778,16 +820,15 @@ def sparse_mla_attention(
         raise ValueError(f"sparse_mla_attention: bad config {config}: dv_split must be 1 or 2")
     grid = (T * num_splits * config.dv_split * num_head_groups,)
     _fwd_launch(
-        grid, q, kv, indices, req_id, block_table, out, lse, po, plse,
+        grid, q, q_pe, kv, indices, out, lse, po, plse,
         H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), pe_off,
         stride_b, stride_t,
-        indices.stride(0), block_table.stride(0), block_table.shape[1],
+        indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         float(softmax_scale) * _LOG2E,
         IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=split, DOT_F32=INTERPRETED,
         BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split, FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla",
-        PAGED=paged,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
