@@ -126,7 +126,8 @@ def sparse_mla_forward(
     """
     kv = kv_slots(kv_cache, kv_format)
     if attention is None and kv.shape[1] == block_size:
-        return _kernel()(q, kv, local_indices,  # q: [T, H, 576] or the pair, read in place softmax_scale, kv_format=kv_format,
+        # q: [T, H, 576] or the (q_nope, q_pe) pair, read in place
+        return _kernel()(q, kv, local_indices, softmax_scale, kv_format=kv_format,
                          block_table=block_table, req_id=req_id)
     q = concat_q(q)
     num_tokens = q.shape[0]
