@@ -145,11 +145,11 @@ def _pv_tile(acc, alpha, p, v, scale, POST: tl.constexpr, DOT_DTYPE: tl.constexp
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    q_ptr, qpe_ptr, kv_ptr, idx_ptr,   # qpe_ptr + pe_off: the 64 rope values of q (q itself, or q_pe)
+    q_ptr, kv_ptr, idx_ptr,
     out_ptr, lse_ptr,            # final outputs (SPLIT=False)
     po_ptr, plse_ptr,            # fp32 partials [T, H, S, 512] / [T, H, S] contiguous (SPLIT=True)
     H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
-    stride_qt, stride_qh, stride_pt, stride_ph, pe_off,
+    stride_qt, stride_qh,
     stride_kvb, stride_kvt,
     stride_it,
     stride_ot, stride_oh, stride_lt, stride_lh,
@@ -191,8 +191,7 @@ def _sparse_mla_fwd_kernel(
     qB = tl.load(q_row[:, None] + cB + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
     qC = tl.load(q_row[:, None] + cC + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
     qD = tl.load(q_row[:, None] + cD + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    pe_row = qpe_ptr + pe_off + t.to(tl.int64) * stride_pt + offs_h.to(tl.int64) * stride_ph
-    qr = tl.load(pe_row[:, None] + r[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    qr = tl.load(q_row[:, None] + 512 + r[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -667,28 +666,10 @@ def _check_paged(q, indices, block_table, req_id) -> bool:
     return True
 
 
-def _split_q(q):
-    """(q or q_nope, the tensor holding the rope values, their offset in it): q [T, H, 576], or the pair
-    (q_nope [T, H, 512], q_pe [T, H, 64]) read in place (no concatenation)."""
-    if not isinstance(q, (tuple, list)):
-        return q, q, KV_LORA_RANK
-    if len(q) != 2:
-        raise ValueError("sparse_mla_attention: q must be a [T, H, 576] tensor or the pair (q_nope, q_pe)")
-    nope, pe = q
-    if nope.dim() != 3 or nope.shape[-1] != KV_LORA_RANK or pe.dim() != 3 or pe.shape[:2] != nope.shape[:2] \
-            or pe.shape[-1] != ROPE_DIM:
-        raise ValueError(f"sparse_mla_attention: the pair (q_nope, q_pe) must be [T, H, 512] and [T, H, 64], got "
-                         f"{tuple(nope.shape)} and {tuple(pe.shape)}")
-    if pe.dtype != torch.bfloat16 or pe.stride(-1) != 1:
-        raise ValueError(f"sparse_mla_attention: q_pe must be bfloat16 with a contiguous last dimension, got "
-                         f"{pe.dtype} strides {pe.stride()}")
-    return nope, pe, 0
-
-
-def _check_inputs(q, kv_cache, indices, kv_format, paged=False, q_width=HEAD_DIM):
+def _check_inputs(q, kv_cache, indices, kv_format, paged=False):
     if kv_format not in KV_FORMATS:
         raise ValueError(f"sparse_mla_attention: kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-    if q.dim() != 3 or q.shape[-1] != q_width:
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
         raise ValueError(f"sparse_mla_attention: q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
     if not 1 <= q.shape[1] <= 128:
         raise ValueError(f"sparse_mla_attention: H must be in 1..128, got {q.shape[1]}")
@@ -727,9 +708,7 @@ def sparse_mla_attention(
     Arguments:
         q: [T, H, 576] torch.bfloat16. Absorbed queries: 512 "nope" values (q_nope @ W_UK) then 64 rope
             values. T is the number of query tokens (any T >= 0), H any head count in 1..128. The last
-            dimension must be contiguous; T and H may be strided. Or the pair (q_nope [T, H, 512],
-            q_pe [T, H, 64]), both bfloat16 with a contiguous last dimension, read where they are (vLLM's
-            form: no concatenation).
+            dimension must be contiguous; T and H may be strided.
         kv_cache: the paged latent cache, viewed as one row per slot. Shapes accepted:
             [num_blocks, block_size, W], [num_blocks, block_size, 1, W] (FlashMLA's view),
             [num_slots, 1, W] or [num_slots, W]; the last dimension contiguous, blocks may be strided.
@@ -764,10 +743,8 @@ def sparse_mla_attention(
         lse: [T, H] float32, natural-log log-sum-exp of the scaled scores over the valid indices.
         A row without any valid index gets out = 0 and lse = -inf (never NaN).
     """
-    q, q_pe, pe_off = _split_q(q)
     paged = _check_paged(q, indices, block_table, req_id)
-    indices = _check_inputs(q, kv_cache, indices, kv_format, paged,
-                            q_width=HEAD_DIM if pe_off else KV_LORA_RANK)
+    indices = _check_inputs(q, kv_cache, indices, kv_format, paged)
     if kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8:
         kv_cache = kv_cache.view(torch.uint8)
     kv, stride_b, stride_t, block_size, num_slots = _slot_view(kv_cache, kv_format)
@@ -820,9 +797,9 @@ def sparse_mla_attention(
         raise ValueError(f"sparse_mla_attention: bad config {config}: dv_split must be 1 or 2")
     grid = (T * num_splits * config.dv_split * num_head_groups,)
     _fwd_launch(
-        grid, q, q_pe, kv, indices, out, lse, po, plse,
+        grid, q, kv, indices, out, lse, po, plse,
         H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
-        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), pe_off,
+        q.stride(0), q.stride(1),
         stride_b, stride_t,
         indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),

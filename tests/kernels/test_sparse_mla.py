@@ -350,22 +350,3 @@ def test_request_local_indices_equal_converted_slot_ids(fmt):
     with pytest.raises(ValueError, match="req_id must be"):
         M.sparse_mla_attention(q, cache, local, 0.1, fmt, block_table=block_table, req_id=req_id[:2])
 
-
-@pytest.mark.parametrize("fmt", M.KV_FORMATS)
-def test_q_pair_read_in_place_equals_the_concatenated_q(fmt):
-    """q as vLLM hands it, (q_nope [T, H, 512], q_pe [T, H, 64]) with q_pe a strided view into a wider tensor,
-    gives bit for bit the result of the concatenated [T, H, 576] q; bad pairs are refused by name."""
-    case = C.mla_case(41, fmt, H=5, topk=37, T=3, block_size=16)
-    cfg = M.SparseMLAConfig(16, 16, 2, 4, 2)
-    want = run_poisoned(case, torch.float32, config=cfg)
-    nope = case.q[..., :512].contiguous()
-    wide = torch.full((3, 5, 100), float("nan"), dtype=torch.bfloat16)
-    wide[..., 7:71] = case.q[..., 512:]
-    got_o, got_l = C.poisoned_mla_outputs(3, 5, torch.float32)
-    M.sparse_mla_attention((nope, wide[..., 7:71]), case.cache, case.idx, case.scale, fmt, out=got_o, lse=got_l,
-                           config=cfg)
-    assert torch.equal(got_o, want[0]) and torch.equal(got_l, want[1])
-    with pytest.raises(ValueError, match=r"the pair \(q_nope, q_pe\) must be"):
-        M.sparse_mla_attention((nope, nope), case.cache, case.idx, case.scale, fmt)
-    with pytest.raises(ValueError, match="q_pe must be bfloat16"):
-        M.sparse_mla_attention((nope, wide[..., 7:71].float()), case.cache, case.idx, case.scale, fmt)

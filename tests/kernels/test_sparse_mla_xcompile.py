@@ -24,8 +24,7 @@ TARGETS = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0), 100: (10, 0), 120: (1
 
 # Arguments a real launch specialises as 16-divisible for the shapes the product sees (aligned
 # allocations; 576-/656-wide rows; block sizes and top-k multiples of 16).
-DIVISIBLE = ("q_ptr", "qpe_ptr", "pe_off", "stride_pt", "stride_ph", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr",
-             "po_ptr", "plse_ptr", "block_size",
+DIVISIBLE = ("q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr", "plse_ptr", "block_size",
              "split_len", "stride_qt", "stride_qh", "stride_kvb", "stride_kvt", "stride_it", "stride_ot",
              "stride_oh")
 
@@ -66,7 +65,7 @@ def _worker(cc: int) -> None:
     for fmt in M.KV_FORMATS:
         for (bh, bn, nw, ns, dv, post) in M.candidate_tiles(capability, fmt) + extra_tiles(capability, fmt):
             for split in (False, True):
-                ptrs = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "kv_ptr": "*u8" if fmt == "fp8_ds_mla" else "*bf16",
+                ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fmt == "fp8_ds_mla" else "*bf16",
                         "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
                         "po_ptr": "*fp32" if split else "*bf16", "plse_ptr": "*fp32" if split else "*bf16"}
                 consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=capability >= (8, 9), SPLIT=split,
