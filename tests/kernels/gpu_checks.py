@@ -214,7 +214,7 @@ def test_gpu_indexer_tolerance_catches_a_dropped_head():
 
 
 # ------------------------------------------------------------------------------------------------
-# Host launch cost: direct launch and the fused block-table lookup (overlay/kernels/launch.py)
+# Host launch cost: direct launch (overlay/kernels/launch.py) and the index conversion launch
 # ------------------------------------------------------------------------------------------------
 def _jit_and_direct(run):
     """run() with every launcher of both modules on Triton's JIT entry, then twice through direct launch (the
@@ -261,8 +261,8 @@ def test_direct_launch_is_bit_identical_to_the_jit_entry():
     assert torch.equal(res[0], res[1]) and torch.equal(res[0], res[2])
 
 
-def test_backend_forward_with_the_block_table_in_the_kernel():
-    """The backend's per-layer call (request-local top-k, block table read by the kernel) equals converting the
+def test_backend_forward_with_request_local_indices():
+    """The backend's per-layer call (request-local top-k, converted by _request_slots_kernel) equals converting the
     indices with the backend's torch conversion first, bit for bit, for both cache formats."""
     from overlay import triton_mla_sparse_ops as ops
 

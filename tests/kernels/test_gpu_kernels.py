@@ -31,7 +31,7 @@ GROUPS = [
     "test_indexer_paged",
     "test_gpu_indexer_tolerance_catches_a_dropped_head",
     "test_direct_launch_is_bit_identical_to_the_jit_entry",
-    "test_backend_forward_with_the_block_table_in_the_kernel",
+    "test_backend_forward_with_request_local_indices",
 ]
 
 
