@@ -247,7 +247,9 @@ def _commit() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="no GPU: stand-in Triton driver, CPU tensors, small shapes")
-    ap.add_argument("--calls", type=int, default=200, help="back-to-back calls per host-time measurement")
+    ap.add_argument("--calls", type=int, default=100,
+                    help="back-to-back calls per host-time measurement (few enough that the launch queue of the "
+                         "longest case, T=1024, never fills: a full queue would add GPU time)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.cpu:
