@@ -12,8 +12,10 @@ impl); everything here is what they call, unit-tested from a checkout:
   only [T, topk] and never synchronises with the host, so it can be captured in a CUDA graph.
 * `kv_slots`: checks the per-layer paged cache ([num_blocks, block_size, 576] bf16 or 656 bytes
   fp8_ds_mla) and hands it to the kernel without copying (slot s = block s // bs, offset s % bs).
-* `sparse_mla_forward`: conversion + one kernel call for the whole batch (prefill, chunked prefill
-  and decode tokens alike: each query token carries its own top-k of cached slots).
+* `sparse_mla_forward`: one kernel call for the whole batch (prefill, chunked prefill and decode
+  tokens alike: each query token carries its own top-k of cached slots); the kernel module converts
+  the request-local top-k itself (one small launch), so a layer costs the host the q concat, the
+  launches and their allocations (bench/launch_census.py).
 """
 
 from __future__ import annotations
@@ -118,12 +120,18 @@ def sparse_mla_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA for a batch of query tokens: (out [T, H, 512] bf16, lse [T, H] fp32).
 
-    `attention` defaults to the Triton kernel `sparse_mla_attention`; tests pass a reference.
+    `attention` defaults to the Triton kernel `sparse_mla_attention`, which converts the request-local
+    indices itself in one small launch (its block_table / req_id arguments) instead of ~24 torch ops;
+    tests pass a reference, which gets global slot ids from `convert_req_index_to_global`.
     """
     q = concat_q(q)
     num_tokens = q.shape[0]
+    kv = kv_slots(kv_cache, kv_format)
+    if attention is None and kv.shape[1] == block_size:
+        return _kernel()(q, kv, local_indices, softmax_scale, kv_format=kv_format,
+                         block_table=block_table, req_id=req_id)
     slots = convert_req_index_to_global(
         req_id[:num_tokens], block_table, local_indices[:num_tokens], block_size
     )
     fn = attention if attention is not None else _kernel()
-    return fn(q, kv_slots(kv_cache, kv_format), slots, softmax_scale, kv_format=kv_format)
+    return fn(q, kv, slots, softmax_scale, kv_format=kv_format)

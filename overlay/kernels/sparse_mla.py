@@ -267,6 +267,26 @@ def _sparse_mla_fwd_kernel(
 
 
 @triton.jit
+def _request_slots_kernel(idx_ptr, req_ptr, bt_ptr, slot_ptr, topk, block_size, max_blocks, stride_it, stride_btr,
+                          BLOCK: tl.constexpr):
+    """Request-local top-k positions -> global slot ids (-1 where invalid), BLOCK of one token's per program:
+    slot = block_table[req_id[t], p // block_size] * block_size + p % block_size; p < 0, a block past the table
+    or a negative table entry give -1 (the attention kernel skips it). One launch instead of the torch ops of
+    the backend's conversion (host launch cost)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < topk
+    local = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=m, other=-1)
+    pos = tl.where(local >= 0, local, 0)
+    lblk = pos // block_size
+    inside = m & (local >= 0) & (lblk < max_blocks)
+    row = bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_btr
+    phys = tl.load(row + lblk, mask=inside, other=-1)
+    slot = tl.where(inside & (phys >= 0), phys * block_size + (pos - lblk * block_size), -1)
+    tl.store(slot_ptr + t.to(tl.int64) * topk + offs, slot, mask=m)
+
+
+@triton.jit
 def _sparse_mla_combine_kernel(
     po_ptr, plse_ptr, out_ptr, lse_ptr,
     H, num_splits,
@@ -327,6 +347,19 @@ INTERPRETED = type(_sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
 def _interpreting() -> bool:
     """The old name of INTERPRETED, kept for the kernel tests that still call it."""
     return INTERPRETED
+
+
+try:  # imported as part of the kernels package (vLLM, the GPU checks, bench/launch_census.py)
+    from .launch import DirectLauncher as _Launcher
+except ImportError:  # loaded by path (interpreter tests, cross-compile workers): Triton's JIT entry
+    def _Launcher(fn):
+        return lambda grid, *args, **kwargs: fn[grid](*args, **kwargs)
+
+# Host launch cost: cached CompiledKernels launched past Triton's JIT entry (overlay/kernels/launch.py).
+_fwd_launch = _Launcher(_sparse_mla_fwd_kernel)
+_combine_launch = _Launcher(_sparse_mla_combine_kernel)
+_slots_launch = _Launcher(_request_slots_kernel)
+LAUNCHERS = [x for x in (_fwd_launch, _combine_launch, _slots_launch) if hasattr(x, "enabled")]
 
 
 @dataclass(frozen=True)
@@ -610,7 +643,30 @@ def _slot_view(kv_cache: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, in
     return kv_cache, stride_b, stride_t, block_size, num_blocks * block_size
 
 
-def _check_inputs(q, kv_cache, indices, kv_format):
+_SLOTS_BLOCK = 1024  # top-k positions per program of _request_slots_kernel
+
+
+def _cdiv(a: int, b: int) -> int:
+    """triton.cdiv without its per-call JIT-callable overhead (host launch path)."""
+    return -(-a // b)
+
+
+def _check_paged(q, indices, block_table, req_id) -> bool:
+    """True when request-local indices come with their block table (see sparse_mla_attention)."""
+    if block_table is None and req_id is None:
+        return False
+    if block_table is None or req_id is None:
+        raise ValueError("sparse_mla_attention: block_table and req_id go together (request-local indices)")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        raise ValueError(f"sparse_mla_attention: block_table must be [num_reqs, max_blocks] int32 with contiguous "
+                         f"rows, got {tuple(block_table.shape)} {block_table.dtype}")
+    if req_id.dim() != 1 or req_id.dtype != torch.int32 or req_id.shape[0] < q.shape[0] or req_id.stride(0) != 1:
+        raise ValueError(f"sparse_mla_attention: req_id must be a contiguous int32 [>= T={q.shape[0]}], got "
+                         f"{tuple(req_id.shape)} {req_id.dtype}")
+    return True
+
+
+def _check_inputs(q, kv_cache, indices, kv_format, paged=False):
     if kv_format not in KV_FORMATS:
         raise ValueError(f"sparse_mla_attention: kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
     if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
@@ -619,7 +675,8 @@ def _check_inputs(q, kv_cache, indices, kv_format):
         raise ValueError(f"sparse_mla_attention: H must be in 1..128, got {q.shape[1]}")
     if indices.dim() == 3 and indices.shape[1] == 1:  # FlashMLA's [T, h_kv=1, topk]
         indices = indices[:, 0]
-    if indices.dim() != 2 or indices.shape[0] != q.shape[0] or indices.shape[1] < 1:
+    rows_ok = indices.shape[0] >= q.shape[0] if paged and indices.dim() == 2 else indices.shape[0] == q.shape[0]
+    if indices.dim() != 2 or not rows_ok or indices.shape[1] < 1:
         raise ValueError(f"sparse_mla_attention: indices must be [T={q.shape[0]}, topk>=1], "
                          f"got {tuple(indices.shape)}")
     if indices.dtype != torch.int32:
@@ -642,6 +699,8 @@ def sparse_mla_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     config: SparseMLAConfig | None = None,
+    block_table: torch.Tensor | None = None,
+    req_id: torch.Tensor | None = None,
     _fp8_native: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over a paged latent KV cache (decode and prefill alike).
@@ -668,6 +727,14 @@ def sparse_mla_attention(
             last dimension contiguous.
         lse: optional [T, H] float32 tensor to write the log-sum-exp into (any strides).
         config: optional :class:`SparseMLAConfig`; default :func:`choose_config` for this device.
+        block_table, req_id: give both to pass request-local indices (vLLM's indexer output) instead of
+            slot ids: ``indices[t, j]`` is then a position p in token t's request, read from slot
+            ``block_table[req_id[t], p // block_size] * block_size + p % block_size`` (block_size: the
+            cache's); p < 0, a block past the table's width or a negative table entry is skipped.
+            block_table: [num_reqs, max_blocks] int32, rows contiguous; req_id: [>= T] int32 (rows past
+            T unread); indices may then have more than T rows (a fixed-address buffer; rows past T are
+            unread). Same result as converting the indices first (one small extra launch instead of the
+            conversion's torch ops).
         _fp8_native: testing hook: force (True) or avoid (False) the native e4m3 conversion
             (default: native on sm_89+ and in the interpreter, bit-manipulation on sm_80/86).
 
@@ -676,7 +743,8 @@ def sparse_mla_attention(
         lse: [T, H] float32, natural-log log-sum-exp of the scaled scores over the valid indices.
         A row without any valid index gets out = 0 and lse = -inf (never NaN).
     """
-    indices = _check_inputs(q, kv_cache, indices, kv_format)
+    paged = _check_paged(q, indices, block_table, req_id)
+    indices = _check_inputs(q, kv_cache, indices, kv_format, paged)
     if kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8:
         kv_cache = kv_cache.view(torch.uint8)
     kv, stride_b, stride_t, block_size, num_slots = _slot_view(kv_cache, kv_format)
@@ -701,16 +769,22 @@ def sparse_mla_attention(
         return out, lse
 
     capability, sm_count = _device_info(q.device)
+    if paged:  # request-local positions -> slot ids: one small launch (the backend's conversion rule)
+        slots = torch.empty((T, topk), dtype=torch.int32, device=q.device)
+        _slots_launch((T, _cdiv(topk, _SLOTS_BLOCK)), indices, req_id, block_table, slots, topk, block_size,
+                      block_table.shape[1], indices.stride(0), block_table.stride(0), BLOCK=_SLOTS_BLOCK,
+                      num_warps=4, num_stages=1)
+        indices = slots
     if config is None:
         config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
     bh, bn = config.block_h, config.block_n
     if bh not in (16, 32, 64, 128) or bn not in (16, 32, 64, 128):
         raise ValueError(f"sparse_mla_attention: bad config {config}: block_h and block_n must be 16..128, "
                          "powers of two")
-    num_splits = max(1, min(config.num_splits, triton.cdiv(topk, bn)))
-    split_len = triton.cdiv(triton.cdiv(topk, num_splits), bn) * bn
-    num_splits = triton.cdiv(topk, split_len)
-    num_head_groups = triton.cdiv(H, bh)
+    num_splits = max(1, min(config.num_splits, _cdiv(topk, bn)))
+    split_len = _cdiv(_cdiv(topk, num_splits), bn) * bn
+    num_splits = _cdiv(topk, split_len)
+    num_head_groups = _cdiv(H, bh)
     fp8_native = (capability >= (8, 9)) if _fp8_native is None else bool(_fp8_native)
     split = num_splits > 1
     if split:
@@ -722,8 +796,8 @@ def sparse_mla_attention(
     if config.dv_split not in (1, 2):
         raise ValueError(f"sparse_mla_attention: bad config {config}: dv_split must be 1 or 2")
     grid = (T * num_splits * config.dv_split * num_head_groups,)
-    _sparse_mla_fwd_kernel[grid](
-        q, kv, indices, out, lse, po, plse,
+    _fwd_launch(
+        grid, q, kv, indices, out, lse, po, plse,
         H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
         q.stride(0), q.stride(1),
         stride_b, stride_t,
@@ -736,8 +810,8 @@ def sparse_mla_attention(
     )
     if split:
         chunk, block_d = _combine_bucket(num_splits)
-        _sparse_mla_combine_kernel[(T * H, KV_LORA_RANK // block_d)](
-            po, plse, out, lse, H, num_splits,
+        _combine_launch(
+            (T * H, KV_LORA_RANK // block_d), po, plse, out, lse, H, num_splits,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1,
         )

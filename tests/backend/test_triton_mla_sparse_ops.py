@@ -183,3 +183,38 @@ def test_sparse_bases_follow_the_installed_vllm():
     assert tms._has_module("json.decoder") and not tms._has_module("json.no_such_module")
     assert not tms._has_module("no_such_package.sparse_mla_attention")
     assert tms.SPARSE_COMMON_MODULE.endswith("layers.attention.sparse_mla_attention")
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_forward_default_kernel_path_equals_converting_first(kv_format):
+    """The backend's own call (no `attention`): the Triton kernel (interpreted here) gets the (q_nope, q_pe)
+    pair and the request-local top-k with the block table, and must give bit for bit what the same kernel
+    gives on the concatenated q and the slot ids of `convert_req_index_to_global`."""
+    from overlay.kernels import sparse_mla as SM
+    from tools.triton_interp import numpy24_fix
+
+    numpy24_fix()
+    assert SM.INTERPRETED  # tests/conftest.py: CPU, Triton's interpreter
+    g = torch.Generator().manual_seed(12)
+    block_size, num_blocks, T, H, topk = 16, 6, 5, 3, 23
+    width = 576 if kv_format == "bf16" else 656
+    if kv_format == "bf16":
+        cache = torch.randn(num_blocks, block_size, width, generator=g).to(torch.bfloat16)
+    else:  # random e4m3 bytes (no NaN pattern), positive scales, bf16 rope
+        cache = torch.randint(0, 0x70, (num_blocks, block_size, width), generator=g, dtype=torch.uint8)
+        cache[..., 512:528] = torch.rand(num_blocks, block_size, 4, generator=g).add(0.5).view(torch.uint8) \
+            .view(num_blocks, block_size, 16)
+        cache[..., 528:] = torch.randn(num_blocks, block_size, 64, generator=g).to(torch.bfloat16) \
+            .view(torch.uint8).view(num_blocks, block_size, 128)
+    block_table = torch.tensor([[3, 1, 5], [0, 4, -1]], dtype=torch.int32)
+    req_id = torch.tensor([0, 0, 1, 1, 0, 1, 1], dtype=torch.int32)  # longer than the batch
+    local = torch.randint(-2, 3 * block_size + 4, (T + 2, topk), generator=g, dtype=torch.int32)
+    ql_nope = torch.randn(T, H, 512, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)
+    out, lse = ops.sparse_mla_forward((ql_nope, q_pe), cache, local, req_id, block_table, block_size, 0.07,
+                                      kv_format)
+    slots = ops.convert_req_index_to_global(req_id[:T], block_table, local[:T], block_size)
+    assert (slots < 0).any() and (slots >= 0).any()
+    want_o, want_l = SM.sparse_mla_attention(torch.cat([ql_nope, q_pe], -1), cache, slots, 0.07, kv_format)
+    assert torch.equal(out, want_o) and torch.equal(lse, want_l)
+    assert torch.isfinite(want_l).any()

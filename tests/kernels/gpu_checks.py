@@ -9,7 +9,7 @@ as the interpreter tests (tests/kernels/_cases.py); tolerances were measured on 
 Not collected by the suite (no test_ prefix): Triton fixes interpreted or compiled mode for the whole process
 when `triton.language` is first imported, so tests/kernels/test_gpu_kernels.py runs this file in a fresh
 pytest process without TRITON_INTERPRET (and skips without CUDA). Run it directly on a GPU machine:
-``python -m pytest tests/kernels/gpu_checks.py``.
+``python -m pytest --noconftest tests/kernels/gpu_checks.py`` (tests/conftest.py sets TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -211,3 +211,73 @@ def test_gpu_indexer_tolerance_catches_a_dropped_head():
     out = IX.fp8_mqa_logits(g.q, (g.k, g.k_scales), w, g.ks, g.ke, True)
     with pytest.raises(AssertionError):
         C.check_logits(out, case.ref(), C.IDX_GPU_FP8, True, case.what, measure=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host launch cost: direct launch (overlay/kernels/launch.py) and the index conversion launch
+# ------------------------------------------------------------------------------------------------
+def _jit_and_direct(run):
+    """run() with every launcher of both modules on Triton's JIT entry, then twice through direct launch (the
+    first fills the cache): the three results."""
+    mods = (SM, IX)
+    for m in mods:
+        for launcher in m.LAUNCHERS:
+            assert launcher.reason is None, launcher.reason
+            launcher.enabled = False
+    try:
+        via_jit = run()
+    finally:
+        for m in mods:
+            for launcher in m.LAUNCHERS:
+                launcher.enabled = True
+    before = sum(x.direct_calls for m in mods for x in m.LAUNCHERS)
+    first, second = run(), run()
+    assert sum(x.direct_calls for m in mods for x in m.LAUNCHERS) > before, "no direct launch happened"
+    return via_jit, first, second
+
+
+def test_direct_launch_is_bit_identical_to_the_jit_entry():
+    """Every kernel (split and unsplit attention, bf16 and fp8_ds_mla, indexer prefill and paged decode)
+    gives the same bits through the direct launch as through Triton's JIT entry."""
+    for fmt, T, H in (("bf16", 1, 64), ("fp8_ds_mla", 1, 64), ("bf16", 200, 64), ("fp8_ds_mla", 64, 128)):
+        case = C.mla_case(610 + T, fmt, H=H, topk=2048, T=T, block_size=64, num_blocks=40)
+        q, cache, idx = case.q.cuda(), case.cache.cuda(), case.idx.cuda()
+
+        def run():
+            out, lse = C.poisoned_mla_outputs(T, H, torch.bfloat16, "cuda")
+            SM.sparse_mla_attention(q, cache, idx, case.scale, fmt, out=out, lse=lse)
+            torch.cuda.synchronize()
+            return out, lse
+
+        (o0, l0), (o1, l1), (o2, l2) = _jit_and_direct(run)
+        assert torch.equal(o0, o1) and torch.equal(o0, o2) and torch.equal(l0, l1) and torch.equal(l0, l2), case.what
+    pc = C.prefill_case(620, 300, 1500, 64).to("cuda")
+    res = _jit_and_direct(lambda: IX.fp8_mqa_logits(pc.q, (pc.k, pc.k_scales), pc.w, pc.ks, pc.ke, True))
+    assert torch.equal(res[0], res[1]) and torch.equal(res[0], res[2])
+    case = C.paged_case(621, 5, 2, 64, 64, [1, 700, 64, 0, 3000], max_model_len=3072)
+    g = case.to("cuda")
+    res = _jit_and_direct(lambda: IX.fp8_paged_mqa_logits(g.q, g.cache, g.w, g.cl, g.tables, None,
+                                                          case.max_model_len, True))
+    assert torch.equal(res[0], res[1]) and torch.equal(res[0], res[2])
+
+
+def test_backend_forward_with_request_local_indices():
+    """The backend's per-layer call (request-local top-k, converted by _request_slots_kernel) equals converting the
+    indices with the backend's torch conversion first, bit for bit, for both cache formats."""
+    from overlay import triton_mla_sparse_ops as ops
+
+    for fmt in ("bf16", "fp8_ds_mla"):
+        g = torch.Generator().manual_seed(630)
+        bs, nb, T, H, topk = 64, 48, 37, 64, 2048
+        cache = C.mla_cache(g, nb, bs, fmt).cuda()
+        block_table = torch.randperm(nb, generator=g)[:45].view(3, 15).to(torch.int32)
+        block_table[2, 14] = -1
+        req_id = torch.tensor([0] * 10 + [1] * 20 + [2] * 7 + [0] * 5, dtype=torch.int32)
+        local = torch.randint(-2, 15 * bs + 40, (T + 5, topk), generator=g, dtype=torch.int32)
+        q = (torch.randn(T, H, 576, generator=g) * 0.7).to(torch.bfloat16)
+        bt, rid, loc, qc = block_table.cuda(), req_id.cuda(), local.cuda(), q.cuda()
+        out, lse = ops.sparse_mla_forward((qc[..., :512], qc[..., 512:]), cache, loc, rid, bt, bs, 0.05, fmt)
+        slots = ops.convert_req_index_to_global(rid[:T], bt, loc[:T], bs)
+        want_o, want_l = SM.sparse_mla_attention(qc, cache, slots, 0.05, fmt)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want_o) and torch.equal(lse, want_l), fmt

@@ -313,3 +313,40 @@ def test_kernel_cases_cover_every_merge_bucket():
             assert s <= chunk or (chunk, block_d) == M._COMBINE_BUCKETS[-1][1:]
             hit.add((chunk, block_d))
     assert hit == {b[1:] for b in M._COMBINE_BUCKETS}, f"buckets not exercised: {hit}"
+
+
+@pytest.mark.parametrize("fmt", M.KV_FORMATS)
+def test_request_local_indices_equal_converted_slot_ids(fmt):
+    """block_table / req_id (the kernel converts request-local positions itself, as the backend calls it)
+    give bit for bit the result of converting first with the backend's torch conversion, on every kind of
+    invalid position: -1, other negatives, a block past the table's width, a -1 table entry; with an index
+    buffer and a req_id buffer longer than the batch (rows past T unread: NaN-free garbage there)."""
+    from overlay.triton_mla_sparse_ops import convert_req_index_to_global
+
+    g = torch.Generator().manual_seed(31)
+    r = random.Random(31)
+    block_size, num_blocks, T, H, topk = 8, 9, 5, 3, 19
+    cache = C.mla_cache(g, num_blocks, block_size, fmt)
+    block_table = torch.randperm(num_blocks, generator=g)[:8].view(2, 4).to(torch.int32)
+    block_table[1, 3] = -1  # an unallocated entry
+    req_id = torch.tensor([0, 0, 1, 1, 1, 0, 1], dtype=torch.int32)  # 2 rows past T
+    local = torch.tensor([[r.randrange(-3, 4 * block_size + 6) for _ in range(topk)] for _ in range(T + 3)],
+                         dtype=torch.int32)
+    local[T:] = 123456  # past T: never read
+    local[1, :] = -1  # a token without any position
+    q = (torch.randn(T, H, 576, generator=g) * 0.5).to(torch.bfloat16)
+    slots = convert_req_index_to_global(req_id[:T], block_table, local[:T], block_size)
+    assert (slots < 0).any() and (slots >= 0).any()
+    cfg = M.SparseMLAConfig(16, 16, 3, 4, 2)
+    want_o, want_l = C.poisoned_mla_outputs(T, H, torch.float32)
+    M.sparse_mla_attention(q, cache, slots, 0.1, fmt, out=want_o, lse=want_l, config=cfg)
+    got_o, got_l = C.poisoned_mla_outputs(T, H, torch.float32)
+    M.sparse_mla_attention(q, cache, local, 0.1, fmt, out=got_o, lse=got_l, config=cfg,
+                           block_table=block_table, req_id=req_id)
+    assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l)
+    assert torch.isinf(got_l[1]).all() and (got_o[1] == 0).all()
+    with pytest.raises(ValueError, match="block_table and req_id go together"):
+        M.sparse_mla_attention(q, cache, local, 0.1, fmt, block_table=block_table)
+    with pytest.raises(ValueError, match="req_id must be"):
+        M.sparse_mla_attention(q, cache, local, 0.1, fmt, block_table=block_table, req_id=req_id[:2])
+

@@ -73,10 +73,17 @@ def _worker(cc: int) -> None:
                               FP8_POST=post and fmt == "fp8_ds_mla")
                 c = cross_compile(M._sparse_mla_fwd_kernel, _signature(M._sparse_mla_fwd_kernel, ptrs),
                                   consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
-                print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns, dv, int(post)], split=split,
+                print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns, dv, int(post)],
+                                      split=split,
                                       shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
                                       spill_stores=c.spill_stores, spill_loads=c.spill_loads,
                                       traps=c.traps)), flush=True)
+    ptrs = {"idx_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i32"}
+    c = cross_compile(M._request_slots_kernel, _signature(M._request_slots_kernel, ptrs), {"BLOCK": M._SLOTS_BLOCK},
+                      cc, num_warps=4, num_stages=1, divisible_by_16=("idx_ptr", "slot_ptr", "topk", "stride_it"))
+    print(json.dumps(dict(kernel="slots", cc=cc, fmt="-", tile=[M._SLOTS_BLOCK], split=False, shared=c.shared,
+                          limit=SHARED_LIMIT[cc], regs=c.registers, spill_stores=c.spill_stores,
+                          spill_loads=c.spill_loads, traps=c.traps)), flush=True)
     ptrs = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
     for _, chunk, block_d in M._COMBINE_BUCKETS:
         c = cross_compile(M._sparse_mla_combine_kernel, _signature(M._sparse_mla_combine_kernel, ptrs),
@@ -120,7 +127,7 @@ def test_every_heuristic_config_fits_and_does_not_spill(tri, cc):
                           cwd=ROOT, timeout=900)
     assert proc.returncode == 0, f"cross-compile for sm_{cc} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert any(r["kernel"] == "fwd" for r in rows) and any(r["kernel"] == "combine" for r in rows)
+    assert {r["kernel"] for r in rows} == {"fwd", "combine", "slots"}
     bad = [r for r in rows if r["shared"] > r["limit"] or r["spill_stores"] or r["spill_loads"] or r["traps"]]
     table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']}: shared "
                       f"{r['shared']}/{r['limit']} B, {r['regs']} regs, spills "

@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Direct launch of cached Triton kernels: the host-side shortcut past ``JITFunction.run``.
+
+``kernel[grid](*args, **kwargs)`` runs Triton's whole JIT entry on every call: binding the arguments into a
+dict, specialising each one, building and hashing a cache key with ``str(options)``, checking the kernel's
+globals, reading the runtime knobs, and only then the C launcher. :class:`DirectLauncher` keeps that path
+for the first call of every specialisation (and for anything unusual), remembers the ``CompiledKernel`` it
+returned, and launches it directly on later calls whose key is the same.
+
+The key holds everything Triton 3.6 specialises a kernel on, computed by Triton's own
+``native_specialize_impl`` (the function its binder calls) for every runtime argument: tensor dtype and
+16-byte alignment of the data pointer, int width (i32 / i64 / u64), an int's divisibility by 16 and its
+``== 1`` specialisation, float / bool types; plus the current device and every keyword (constexprs,
+``num_warps``, ``num_stages``). So a direct launch runs exactly the binary the JIT path would have picked
+(tests/kernels/test_launch.py checks this against the JIT path on CPU with a stand-in driver, and
+tests/kernels/gpu_checks.py bit for bit on CUDA).
+
+Where it stands aside (the JIT path runs, unchanged): ``DSA_OVERLAY_DIRECT_LAUNCH=0`` (the kill switch, read
+when a launcher is made); the interpreter (``TRITON_INTERPRET=1``); a Triton other than 3.6 (the version
+whose ``run`` this mirrors); a kernel with pre-run hooks, annotated runtime parameters or a constexpr
+parameter before a runtime one; ``TRITON_DEBUG`` / an instrumentation mode; and any call whose key has not
+been seen. Launch hooks (profilers) are honoured as in ``JITFunction.run``; with none registered the
+launcher gets None for them (it then skips them) instead of the empty hook chains and a metadata dict.
+
+Self-contained: torch and triton only (dropped into vLLM beside the kernels that use it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+__all__ = ["DirectLauncher", "DIRECT_LAUNCH_ENV", "direct_launch_enabled"]
+
+DIRECT_LAUNCH_ENV = "DSA_OVERLAY_DIRECT_LAUNCH"
+_SUPPORTED_TRITON = ("3.6",)
+
+try:  # Triton 3.6: the C specialiser its binder calls
+    from triton._C.libtriton import native_specialize_impl as _specialize
+except ImportError:  # pragma: no cover - older Triton: no direct launch
+    _specialize = None
+
+
+def direct_launch_enabled(environ=None) -> bool:
+    """The kill switch: ``DSA_OVERLAY_DIRECT_LAUNCH=0`` (or false/off/no) sends every launch through
+    Triton's JIT entry. Unset or 1 (true/on/yes): direct launch where it can. Anything else is an error."""
+    env = os.environ if environ is None else environ
+    value = env.get(DIRECT_LAUNCH_ENV, "").strip().lower()
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{DIRECT_LAUNCH_ENV}={env.get(DIRECT_LAUNCH_ENV)!r} is not understood; set it to 0 "
+                     "(every launch through Triton's JIT entry) or 1 / unset it")
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _unsupported_reason(fn) -> str | None:
+    """Why `fn` cannot be launched directly, or None."""
+    if _specialize is None or not triton.__version__.startswith(_SUPPORTED_TRITON):
+        return f"Triton {triton.__version__} (direct launch mirrors {', '.join(_SUPPORTED_TRITON)})"
+    if _interpreted() or not hasattr(fn, "device_caches") or not hasattr(fn, "params"):
+        return "interpreter"
+    seen_constexpr = False
+    for p in fn.params:
+        if p.is_constexpr:
+            seen_constexpr = True
+        elif seen_constexpr:
+            return f"runtime parameter {p.name} after a constexpr"
+        elif p.annotation_type:
+            return f"annotated runtime parameter {p.name}"
+    return None
+
+
+class DirectLauncher:
+    """``launcher(grid, *runtime_args, **constexprs_and_options)`` == ``fn[grid](*runtime_args, **...)``.
+
+    Runtime arguments are passed positionally, in the kernel's order, and every constexpr and option by
+    keyword, always the same keywords in the same order at one call site (a different order is only a
+    cache miss). ``grid`` is a tuple of 1-3 ints.
+    """
+
+    def __init__(self, fn, *, enabled: bool | None = None):
+        self.fn = fn
+        self.reason = _unsupported_reason(fn)
+        if enabled is None:
+            enabled = direct_launch_enabled()
+        if not enabled and self.reason is None:
+            self.reason = f"{DIRECT_LAUNCH_ENV}=0"
+        self.enabled = self.reason is None
+        self._cache: dict = {}
+        self._runtime = [p for p in getattr(fn, "params", []) if not p.is_constexpr]
+        self._flags = [(p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                       for p in self._runtime]
+        self._constexpr = [p for p in getattr(fn, "params", []) if p.is_constexpr]
+        self._driver = None
+        self.direct_calls = 0  # counters for the census and tests
+        self.jit_calls = 0
+
+    # ----------------------------------------------------------------------------------------- key
+    def _bind_driver(self):
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        active = driver.active
+        self._driver = (active.get_current_device, active.get_current_stream, knobs.runtime)
+
+    def key(self, device, args, kwargs):
+        """The cache key of one call: device, Triton's specialisation of every runtime argument, and the
+        keywords. Raises TypeError for an argument Triton cannot specialise (the JIT path then reports)."""
+        backend = self.fn.device_caches[device][3]
+        spec = tuple([_specialize(backend, a, c, s, al) for a, (c, s, al) in zip(args, self._flags)])
+        return (device, spec, tuple(kwargs.items()))
+
+    def _tail(self, kwargs):
+        """Values of the constexpr parameters (after the runtime ones), as JITFunction.run passes them."""
+        tail = []
+        for p in self._constexpr:
+            if p.name in kwargs:
+                tail.append(kwargs[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                return None
+        return tuple(tail)
+
+    # ---------------------------------------------------------------------------------------- call
+    def __call__(self, grid, *args, **kwargs):
+        if not self.enabled:
+            self.jit_calls += 1
+            return self.fn[grid](*args, **kwargs)
+        if self._driver is None:
+            self._bind_driver()
+        get_device, get_stream, runtime = self._driver
+        device = get_device()
+        try:
+            key = self.key(device, args, kwargs)
+            entry = self._cache.get(key)
+        except (TypeError, KeyError, IndexError):  # unhashable keyword, unknown arg type: JIT decides
+            key, entry = None, None
+        if entry is None or runtime.debug or self.fn.pre_run_hooks or len(args) != len(self._runtime):
+            self.jit_calls += 1
+            kernel = self.fn[grid](*args, **kwargs)
+            if key is not None and len(args) == len(self._runtime) and not self.fn.pre_run_hooks:
+                self._remember(key, kernel, kwargs)
+            return kernel
+        kernel, tail = entry
+        self.direct_calls += 1
+        full = args + tail
+        stream = get_stream(device)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if getattr(enter, "calls", True) or getattr(exit_, "calls", True):
+            metadata = kernel.launch_metadata(grid, stream, *full)
+        else:  # no hook to call: the launcher skips None (no metadata dict, no empty-chain calls)
+            metadata = enter = exit_ = None
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *full)
+        return kernel
+
+    def _remember(self, key, kernel, kwargs):
+        from triton import knobs
+
+        if kernel is None or hasattr(kernel, "result") or knobs.runtime.debug \
+                or knobs.compilation.instrumentation_mode:
+            return  # async compile, warm-up hook or a debug build: keep the JIT path
+        if getattr(kernel, "function", None) is None:
+            return  # not loaded (the launch did not happen): keep the JIT path
+        tail = self._tail(kwargs)
+        if tail is None or any(k not in {p.name for p in self._constexpr} for k in kwargs
+                               if k not in ("num_warps", "num_stages")):
+            return  # an option this mirror does not know (num_ctas, maxnreg, ...): keep the JIT path
+        self._cache[key] = (kernel, tail)

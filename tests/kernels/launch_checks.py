@@ -1,0 +1,156 @@
+"""Direct launch (overlay/kernels/launch.py) against Triton's JIT entry on a CPU, with tools/fake_triton_driver.py's
+stand-in driver: Triton's real binder, specialiser and kernel cache run, nothing is compiled or launched.
+
+Not collected by the suite (no test_ prefix): Triton fixes interpreted or compiled mode when triton.language
+is first imported, and the kernel tests interpret; tests/kernels/test_launch.py runs this file in a fresh
+pytest process without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # pragma: no cover - a misuse, said plainly
+    raise RuntimeError("tests/kernels/launch_checks.py needs compiled-mode Triton: run it without TRITON_INTERPRET")
+
+from tools.fake_triton_driver import fake_triton  # noqa: E402
+from overlay.kernels import indexer as IX  # noqa: E402
+from overlay.kernels import sparse_mla as SM  # noqa: E402
+from overlay.kernels.launch import DirectLauncher  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_jit_caches():
+    """Every test starts with empty Triton kernel caches (the stand-in kernels of one test never reach another)."""
+    kernels = [SM._sparse_mla_fwd_kernel, SM._sparse_mla_combine_kernel, IX._mqa_logits_kernel,
+               IX._paged_mqa_logits_kernel]
+    for k in kernels:
+        k.device_caches.clear()
+    yield
+    for k in kernels:
+        k.device_caches.clear()
+
+
+def _calls(fake, n):
+    """The last n recorded launcher calls as comparable tuples (kernel, grid, stream, function, args)."""
+    return [(k, grid, stream, fn, packed, args) for k, grid, stream, fn, packed, args in fake.launches[-n:]]
+
+
+def _same(a, b):
+    """Same kernel object, grid, stream, function handle, packed metadata and arguments (the hooks may differ:
+    with none registered the direct path passes None, which the CUDA launcher skips like an empty chain)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x[:5] == y[:5]
+        assert len(x[5]) == len(y[5])
+        for u, v in zip(x[5], y[5]):
+            assert (u is v) or (type(u) is type(v) and u == v), (u, v)
+
+
+def _tensor(n, dtype=torch.float32, offset=0):
+    base = torch.zeros(n + 64, dtype=dtype)
+    return base[offset:offset + n]
+
+
+# Arguments that move Triton's specialisation one way or another: alignment, ==1, %16, int width, dtype.
+VARIANTS = [
+    dict(x=_tensor(64), y=_tensor(64), n=64, m=7),
+    dict(x=_tensor(64), y=_tensor(64), n=64, m=7),                    # same key: direct
+    dict(x=_tensor(64, offset=1), y=_tensor(64), n=64, m=7),          # misaligned pointer
+    dict(x=_tensor(64), y=_tensor(64), n=1, m=7),                     # == 1
+    dict(x=_tensor(64), y=_tensor(64), n=48, m=16),                   # %16 on m
+    dict(x=_tensor(64), y=_tensor(64), n=48, m=2 ** 31),              # i64
+    dict(x=_tensor(64), y=_tensor(64), n=48, m=2 ** 63),              # u64
+    dict(x=_tensor(64, torch.bfloat16), y=_tensor(64), n=64, m=7),    # dtype
+    dict(x=_tensor(64), y=_tensor(64), n=64, m=-5),
+    dict(x=_tensor(64, offset=1), y=_tensor(64), n=64, m=7),          # again: direct
+]
+
+
+def test_direct_launch_runs_the_jit_choice_with_the_jit_arguments():
+    """For every variant, the direct launcher passes the launcher exactly what Triton's JIT entry passes
+    (same CompiledKernel object, grid, stream, function, metadata, arguments), and launches directly once it
+    has seen the key."""
+    with fake_triton() as fake:
+        launcher = DirectLauncher(SM._sparse_mla_combine_kernel, enabled=True)
+        assert launcher.enabled, launcher.reason
+        seen = set()
+        for v in VARIANTS:
+            args = (v["x"], v["y"], v["x"], v["y"], v["n"], v["m"], 3, 512, v["m"], 1)
+            kw = dict(CHUNK_S=16, BLOCK_D=512, num_warps=4, num_stages=1)
+            key = launcher.key(0, args, kw)
+            before = launcher.direct_calls
+            k_direct = launcher((5, 2), *args, **kw)
+            got = _calls(fake, 1)
+            k_jit = SM._sparse_mla_combine_kernel[(5, 2)](*args, **kw)
+            want = _calls(fake, 1)
+            assert k_direct is k_jit
+            _same(got, want)
+            launcher((5, 2), *args, **kw)
+            assert launcher.direct_calls == before + (2 if key in seen else 1)
+            seen.add(key)
+        # one binary per distinct key: the key is exactly as fine as Triton's own cache (7 kinds here; m=-5
+        # specialises like m=7)
+        assert len(seen) == len(fake.compiled) == 7
+
+
+def test_constexpr_and_option_changes_are_new_keys():
+    with fake_triton() as fake:
+        launcher = DirectLauncher(SM._sparse_mla_combine_kernel, enabled=True)
+        x = _tensor(64)
+        args = (x, x, x, x, 64, 7, 3, 512, 7, 1)
+        k1 = launcher((1,), *args, CHUNK_S=16, BLOCK_D=512, num_warps=4, num_stages=1)
+        k2 = launcher((1,), *args, CHUNK_S=32, BLOCK_D=512, num_warps=4, num_stages=1)
+        k3 = launcher((1,), *args, CHUNK_S=16, BLOCK_D=512, num_warps=8, num_stages=1)
+        assert len({id(k1), id(k2), id(k3)}) == 3 and launcher.direct_calls == 0
+        assert launcher((1,), *args, CHUNK_S=32, BLOCK_D=512, num_warps=4, num_stages=1) is k2
+        assert launcher.direct_calls == 1 and len(fake.compiled) == 3
+
+
+def test_kill_switch_and_hooks_keep_the_jit_path(monkeypatch):
+    with fake_triton():
+        monkeypatch.setenv("DSA_OVERLAY_DIRECT_LAUNCH", "0")
+        off = DirectLauncher(SM._sparse_mla_combine_kernel)
+        assert not off.enabled and "DSA_OVERLAY_DIRECT_LAUNCH=0" in off.reason
+        x = _tensor(64)
+        args = (x, x, x, x, 64, 7, 3, 512, 7, 1)
+        for _ in range(3):
+            off((1,), *args, CHUNK_S=16, BLOCK_D=512, num_warps=4, num_stages=1)
+        assert off.direct_calls == 0 and off.jit_calls == 3
+        on = DirectLauncher(SM._sparse_mla_combine_kernel, enabled=True)
+        SM._sparse_mla_combine_kernel.add_pre_run_hook(lambda *a, **k: None)
+        try:
+            for _ in range(3):
+                on((1,), *args, CHUNK_S=16, BLOCK_D=512, num_warps=4, num_stages=1)
+            assert on.direct_calls == 0
+        finally:
+            SM._sparse_mla_combine_kernel.pre_run_hooks.clear()
+
+
+def test_launch_hooks_see_direct_launches():
+    from triton import knobs
+
+    with fake_triton():
+        launcher = DirectLauncher(SM._sparse_mla_combine_kernel, enabled=True)
+        x = _tensor(64)
+        args = (x, x, x, x, 64, 7, 3, 512, 7, 1)
+        launcher((1,), *args, CHUNK_S=16, BLOCK_D=512, num_warps=4, num_stages=1)
+        seen = []
+        knobs.runtime.launch_enter_hook.add(seen.append)
+        try:
+            launcher((1,), *args, CHUNK_S=16, BLOCK_D=512, num_warps=4, num_stages=1)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(seen.append)
+        assert launcher.direct_calls == 1 and len(seen) == 1
+
+
+@pytest.mark.parametrize("module,kernels", [(SM, 3), (IX, 2)], ids=["sparse_mla", "indexer"])
+def test_the_kernel_modules_launch_directly(module, kernels):
+    """Imported as a package (as vLLM imports them), both kernel modules route every launch through a
+    DirectLauncher that can launch directly (no annotated or interleaved parameters)."""
+    assert len(module.LAUNCHERS) == kernels
+    for launcher in module.LAUNCHERS:
+        assert launcher.reason is None, launcher.reason
