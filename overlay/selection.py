@@ -94,11 +94,15 @@ def choose_sparse_backend(
     upstream: Mapping[str, Sequence[str]],
     explicit: str | None = None,
     portable: bool = False,
+    limits: Mapping[str, Sequence[str]] | None = None,
 ) -> Decision:
     """The selection policy (pure).
 
     upstream: every candidate vLLM would consider, in its priority order, mapped to the reasons it
-    refused this configuration (an empty sequence means it accepts it).
+    refused this configuration (an empty sequence means it accepts it), the measured `limits` included.
+    limits: the part of those reasons that vLLM's own validation does not see (`upstream_extra_reasons`):
+    where vLLM's own first pick is refused only by them, the first candidate that accepts is named
+    (e.g. FLASHINFER_MLA_SPARSE over FLASHMLA_SPARSE for index_topk 200 on sm_100, bf16 cache).
     """
     if not use_sparse:
         return Decision(None, "model does not use sparse MLA")
@@ -110,6 +114,12 @@ def choose_sparse_backend(
         return Decision(None, f"compute capability {cc} is below 8.0 (no Triton sparse MLA)")
     valid = [name for name, reasons in upstream.items() if not reasons]
     if valid and not portable:
+        limits = limits or {}
+        own = next(name for name, reasons in upstream.items()
+                   if not reasons or list(reasons) == list(limits.get(name, ())))
+        if own != valid[0]:
+            return Decision(valid[0], f"upstream's own pick {own} cannot run this model "
+                                      f"({', '.join(limits[own])}); {valid[0]} validates on cc {cc}")
         return Decision(None, f"upstream {valid[0]} validates on cc {cc}")
     if not supports_kv_cache_dtype(kv_cache_dtype):
         return Decision(
@@ -192,8 +202,15 @@ def upstream_validation(device_capability, attn_selector_config, num_heads=None)
     return result
 
 
+def measured_limits(upstream: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """{candidate: the reasons of `upstream_validation` that are the overlay's measured limits}."""
+    topk = _current_index_topk()
+    return {name: upstream_extra_reasons(name, topk) for name in upstream}
+
+
 def vllm_select(platform_cls, selected_backend, attn_selector_config, num_heads, device_capability):
-    """Hook body: the class path of TRITON_MLA_SPARSE when the policy picks it, else None.
+    """Hook body: the class path of the backend the policy names (TRITON_MLA_SPARSE, or the upstream
+    candidate that can run the model where vLLM's own pick cannot), else None.
 
     platform_cls is the calling CUDA platform class (kept for the hook's stable signature)."""
     if not getattr(attn_selector_config, "use_sparse", False) or selected_backend is not None:
@@ -210,6 +227,7 @@ def vllm_select(platform_cls, selected_backend, attn_selector_config, num_heads,
         upstream=upstream,
         explicit=None,
         portable=portable_switch(),
+        limits=measured_limits(upstream),
     )
     logger = init_logger("vllm._dsa_overlay.selection")
     if decision.backend is None:

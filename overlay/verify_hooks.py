@@ -30,7 +30,7 @@ import os
 import types
 from dataclasses import dataclass, field
 
-from .selection import BACKEND_NAME, PORTABLE_ENV, choose_sparse_backend, upstream_validation
+from .selection import BACKEND_NAME, PORTABLE_ENV, choose_sparse_backend, measured_limits, upstream_validation
 
 CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1))
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_ds_mla")
@@ -150,7 +150,7 @@ def _expected(capability, kv_cache_dtype) -> str:
     from vllm.platforms.interface import DeviceCapability
 
     up = upstream_validation(DeviceCapability(*capability), _glm5_config(kv_cache_dtype), GLM5_HEADS)
-    decision = choose_sparse_backend(capability, True, kv_cache_dtype, up)
+    decision = choose_sparse_backend(capability, True, kv_cache_dtype, up, limits=measured_limits(up))
     if decision.backend is not None:
         return decision.backend
     return next((name for name, reasons in up.items() if not reasons), "error")

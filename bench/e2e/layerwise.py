@@ -53,6 +53,7 @@ if __package__ in (None, ""):
 
 from bench.e2e import reference as REF  # noqa: E402
 from bench.e2e.plan import ATTENTION_BACKEND, LAYER0_ERR_P99, MODELS, VOCAB  # noqa: E402
+from bench.e2e.worker import spec_arg  # noqa: E402
 
 INDEXER_HOOKS = {  # module -> logits functions whose arguments are (q, (k, k_scale), weights, ks, ke)
     "vllm.model_executor.layers.sparse_attn_indexer": ["fp8_fp4_mqa_logits", "fp8_mqa_logits"],
@@ -381,7 +382,7 @@ def main() -> int:
         spec = dict(model_dir=str(mdir), path=path, kv=kv, topk=model.config["index_topk"], rows=args.rows,
                     max_model_len=model.max_model_len, sequences=sequences)
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", spec_arg(spec)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         results[f"{kv}/{path}"] = finish_worker(proc, t0, args.timeout)

@@ -21,6 +21,7 @@ from .judge import compare_dumps
 from .plan import (DEFAULT_CHUNK, GREEDY_STEPS, MODELS, TPS_BATCH, UPSTREAM_PATHS, VOCAB, Model, estimate_s,
                    index_topk)
 from .report import report, results_markdown
+from .worker import spec_arg
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "bench" / "e2e_proof.py"   # the worker entry: e2e_proof.py --worker SPEC
@@ -124,7 +125,7 @@ def start_worker(spec: dict, pythonpath: str):
     """The worker process, in a session of its own: its leftovers (compile workers) can be ended with it."""
     env = dict(os.environ, PYTHONPATH=pythonpath)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    return subprocess.Popen([sys.executable, str(CLI), "--worker", json.dumps(spec)], env=env,
+    return subprocess.Popen([sys.executable, str(CLI), "--worker", spec_arg(spec)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -180,11 +180,26 @@ def worker(spec: dict) -> dict:
     return result
 
 
-def serve(fn, spec_json: str):
-    """A worker process's whole life: fn(spec) printed as one RESULT line, or its traceback; then
-    os._exit (0 / 1), since a vLLM 0.26.0 engine keeps the process alive after generate (../shared/FACTS.md)."""
+def spec_arg(spec: dict) -> str:
+    """The --worker argument for `spec`: the path of a JSON file holding it (a spec with the prompts of
+    long-context models is far beyond the kernel's 128 KiB limit on one argv string)."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="dsa_spec_", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
+def serve(fn, spec_path: str):
+    """A worker process's whole life: fn(the spec in file `spec_path`, see spec_arg) printed as one RESULT
+    line, or its traceback; then os._exit (0 / 1), since a vLLM 0.26.0 engine keeps the process alive
+    after generate (../shared/FACTS.md)."""
     try:
-        print("RESULT " + json.dumps(fn(json.loads(spec_json))), flush=True)
+        with open(spec_path) as f:
+            spec = json.load(f)
+        os.unlink(spec_path)
+        print("RESULT " + json.dumps(fn(spec)), flush=True)
         code = 0
     except BaseException:  # noqa: BLE001 - the traceback is the parent's log; the process must end
         import traceback

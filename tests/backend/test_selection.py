@@ -137,7 +137,8 @@ def grid_cases() -> list:
 @pytest.mark.parametrize("release, cc, kv, topk, portable, symbol", grid_cases())
 def test_policy_table(release, cc, kv, topk, portable, symbol):
     up = MODELS[release][0](cc, kv, topk)
-    d = sel.choose_sparse_backend(cc, True, kv, up, portable=portable)
+    limits = {n: TOPK_REASONS[topk] if n == "FLASHMLA_SPARSE" else [] for n in up}
+    d = sel.choose_sparse_backend(cc, True, kv, up, portable=portable, limits=limits)
     where = f"cc {cc[0]}.{cc[1]}"
     if symbol == "T":
         assert d.backend == "TRITON_MLA_SPARSE"
@@ -146,9 +147,13 @@ def test_policy_table(release, cc, kv, topk, portable, symbol):
         else:  # the log line names the refused upstream sparse backends and why, not the dense ones
             why = "; ".join(f"{n}: {', '.join(r)}" for n, r in up.items() if r != NOT_SPARSE and n not in DENSE)
             assert d.reason == f"no upstream sparse MLA backend validates on {where} ({why})"
-    elif symbol == "U":
+    elif symbol == "U":  # the backend that runs is upstream's first that accepts, limits included
         first = next(n for n, r in up.items() if not r)
-        assert (d.backend, d.reason) == (None, f"upstream {first} validates on {where}")
+        vllm_own = next(n for n, r in up.items() if r == limits[n])  # what vLLM alone would pick
+        runs = d.backend or vllm_own
+        assert runs == first, (d, up)
+        if d.backend is None:
+            assert d.reason == f"upstream {first} validates on {where}"
     else:
         assert d.backend is None
         if cc < (8, 0):
@@ -156,6 +161,24 @@ def test_policy_table(release, cc, kv, topk, portable, symbol):
         else:
             assert d.reason.startswith(f"kv-cache dtype {kv} is not one TRITON_MLA_SPARSE reads")
             assert d.reason.endswith("use --kv-cache-dtype fp8_ds_mla")
+
+
+@pytest.mark.parametrize("release", ["0.24.0", "0.25"])
+def test_sm100_bf16_topk_200_names_flashinfer_over_flashmla(release):
+    """sm_100, bf16 cache, 64 heads: vLLM's own first pick is FLASHMLA_SPARSE, which validates index_topk 200
+    but cannot run it (FlashMLA asserts top-k % 128 == 0); the hook names FLASHINFER_MLA_SPARSE instead of
+    leaving the choice to vLLM (seen in verify.py's table on the H200, vLLM 0.26.0)."""
+    up = upstream_024(release)((10, 0), "bfloat16", 200)
+    assert list(up)[-2:] == ["FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE"] and up["FLASHINFER_MLA_SPARSE"] == []
+    d = sel.choose_sparse_backend((10, 0), True, "bfloat16", up,
+                                  limits={"FLASHMLA_SPARSE": ["index_topk 200 is not a multiple of 128"]})
+    assert (d.backend, d.reason) == ("FLASHINFER_MLA_SPARSE", "upstream's own pick FLASHMLA_SPARSE cannot run "
+                                     "this model (index_topk 200 is not a multiple of 128); "
+                                     "FLASHINFER_MLA_SPARSE validates on cc 10.0")
+    # at top-k 2048 vLLM's own pick runs: left alone
+    up = upstream_024(release)((10, 0), "bfloat16", 2048)
+    d = sel.choose_sparse_backend((10, 0), True, "bfloat16", up, limits={"FLASHMLA_SPARSE": []})
+    assert (d.backend, d.reason) == (None, "upstream FLASHMLA_SPARSE validates on cc 10.0")
 
 
 def test_explicit_choice_is_left_to_vllm_even_with_switch():

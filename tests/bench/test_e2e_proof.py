@@ -249,10 +249,16 @@ def test_finish_worker_returns_when_the_worker_exits_though_a_leftover_child_hol
 
 def test_a_worker_ends_its_process_even_when_something_keeps_it_alive(tmp_path):
     """e2e_proof.py --worker ends with os._exit whatever happens; a worker that fails prints its
-    traceback (into the log the report shows) and exits 1."""
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "e2e_proof.py"), "--worker", "{}"],
+    traceback (into the log the report shows) and exits 1. Its spec travels as a file (spec_arg): one
+    with the prompts of a long-context model is far beyond the 128 KiB a single argv string may hold
+    (on the H200: "Argument list too long" at the DeepSeek-V3.2-shaped runs)."""
+    from bench.e2e.worker import spec_arg
+
+    path = spec_arg({"prompts": [list(range(40000))] * 3})  # ~0.7 MB, no model_dir: KeyError in worker()
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "e2e_proof.py"), "--worker", path],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 1 and "KeyError" in proc.stderr
+    assert proc.returncode == 1 and "KeyError: 'path'" in proc.stderr, proc.stderr[-2000:]
+    assert not Path(path).exists()  # the worker removed its spec file
 
 
 def _run(tokens, top5, tf, tf5):

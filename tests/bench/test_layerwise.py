@@ -300,7 +300,7 @@ def test_layerwise_main_runs_one_engine_per_cache_and_path_and_writes_the_table(
 
     class Popen:
         def __init__(self, cmd, **kw):
-            specs.append(json.loads(cmd[-1]))
+            specs.append(json.loads(Path(cmd[-1]).read_text()))  # the spec travels as a file (spec_arg)
             assert kw.get("start_new_session")
 
     layer = REF.summarize([dict(n=3000, k=2048, same=True, overlap=1.0, differ=0, missed=0, near_ties=0, gap=0.0,
