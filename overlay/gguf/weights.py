@@ -20,16 +20,19 @@ from .tensors import BLOCK_BY_NAME, KV_B_PARTS, MODEL_BY_NAME, is_glm_dsa, tenso
 
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
-# Layers built without a quant method (vLLM keeps them dense): their weights are dequantized.
+# Layers whose weights vLLM must get dense (they are dequantized at load), by the release they start at:
 #   mlp.gate: GateLinear(quant_config=None); eh_proj: nn.Linear (MTP);
-#   indexer.weights_proj: quant_config=None in both releases;
-#   indexer.wk: merged into wk_weights_proj (quant_config=None) from 0.23.0 on, quantizable in 0.16.0;
-#   kv_b_proj: rebuilt from two differently-quantized halves, so always dense.
+#   indexer.weights_proj: quant_config=None in every release;
+#   kv_b_proj: rebuilt from two differently-quantized halves, so always dense;
+#   indexer.wk: merged into wk_weights_proj (quant_config=None) from 0.20.0 on, quantizable before;
+#   indexer.wq_b: a ReplicatedLinear, whose weight_loader has no GGUF branch from 0.24.0 on (GGUF left vLLM's
+#     tree; vllm-gguf-plugin loads it): a quantized load fails there (seen on the H200 with 0.26.0).
 DENSE_SUFFIXES_COMMON = ("mlp.gate.weight", "eh_proj.weight", "self_attn.indexer.weights_proj.weight",
                          "self_attn.kv_b_proj.weight")
 DENSE_SUFFIXES = {
     "0.16.0": DENSE_SUFFIXES_COMMON,
-    "0.23.0": DENSE_SUFFIXES_COMMON + ("self_attn.indexer.wk.weight",),
+    "0.20.0": DENSE_SUFFIXES_COMMON + ("self_attn.indexer.wk.weight",),
+    "0.24.0": DENSE_SUFFIXES_COMMON + ("self_attn.indexer.wk.weight", "self_attn.indexer.wq_b.weight"),
 }
 # vLLM fuses these into one layer whose shards must all be quantized or all dense
 FUSED_GROUPS = (("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
@@ -37,17 +40,24 @@ FUSED_GROUPS = (("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weig
                 ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"))
 
 
+def _key(version: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else -1 for x in version.split("+")[0].split(".")[:3])
+
+
+def release_rules(version: str) -> str:
+    """The DENSE_SUFFIXES key that governs vLLM `version`: the newest one not after it."""
+    at_or_before = [r for r in DENSE_SUFFIXES if _key(r) <= _key(version)]
+    return max(at_or_before, key=_key) if at_or_before else min(DENSE_SUFFIXES, key=_key)
+
+
 def vllm_release() -> str:
-    """The vLLM release this module runs inside (policy key); the newest known one outside vLLM."""
+    """The DENSE_SUFFIXES key of the vLLM this module runs inside; the newest one outside vLLM."""
     try:
         import vllm  # noqa: F401
         v = getattr(vllm, "__version__", "")
     except Exception:
         v = ""
-    for rel in DENSE_SUFFIXES:
-        if v.startswith(rel):
-            return rel
-    return max(DENSE_SUFFIXES, key=lambda r: tuple(int(x) for x in r.split(".")))
+    return release_rules(v) if v and v[0].isdigit() else max(DENSE_SUFFIXES, key=_key)
 
 
 @dataclass
@@ -77,7 +87,7 @@ class Plan:
 def plan(tensors: dict[str, TensorInfo], release: str | None = None) -> Plan:
     """Map every GGUF tensor to the vLLM load it feeds, and decide what must be dense."""
     release = release or vllm_release()
-    dense_suffixes = DENSE_SUFFIXES.get(release, DENSE_SUFFIXES_COMMON)
+    dense_suffixes = DENSE_SUFFIXES[release_rules(release)]
     entries: list[Entry] = []
     unmapped: list[str] = []
     problems: list[str] = []
@@ -128,7 +138,7 @@ def plan(tensors: dict[str, TensorInfo], release: str | None = None) -> Plan:
         if types <= DENSE_TYPES:
             e.dense, e.why = True, "stored dense"
         elif any(e.hf_name.endswith(s) for s in dense_suffixes):
-            e.dense, e.why = True, f"vLLM {release} builds this layer without a quant method"
+            e.dense, e.why = True, f"vLLM {release} loads this layer dense only"
         elif not types <= VLLM_GGUF_TYPES:
             e.dense, e.why = True, f"ggml type {'/'.join(sorted(types))} not in vLLM's GGUF kernels"
     # a fused layer takes all shards quantized or all dense

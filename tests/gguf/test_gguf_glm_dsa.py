@@ -132,7 +132,7 @@ def _dequant_stream(stream):
     return out, types
 
 
-@pytest.mark.parametrize("release", ["0.16.0", "0.23.0"])
+@pytest.mark.parametrize("release", ["0.16.0", "0.19.1", "0.20.0", "0.23.0", "0.26.0"])
 def test_vllm_stream_quantized_and_dense_loads(tiny, release):
     path = tiny.gguf("Q4_K_M")
     m = weights.GlmDsaNameMap(path, release)
@@ -173,11 +173,12 @@ def test_vllm_stream_quantized_and_dense_loads(tiny, release):
     for i in range(3):
         assert tmap[f"model.layers.{i}.self_attn.kv_b_proj.weight"] == "BF16"
         assert tmap[f"model.layers.{i}.self_attn.indexer.weights_proj.weight"] in ("BF16", "F32")
-    wk = tmap["model.layers.1.self_attn.indexer.wk.weight"]
-    if release == "0.23.0":
-        assert wk == "BF16"
-    else:
-        assert wk not in ("BF16", "F16", "F32"), "0.16.0 loads a quantized indexer.wk"
+    # indexer.wk: fused into wk_weights_proj (quant_config=None) from 0.20.0; indexer.wq_b: a ReplicatedLinear,
+    # whose weight_loader lost its GGUF branch in 0.24.0 (a quantized wq_b failed to load on the H200, 0.26.0)
+    wk, wq_b = (tmap[f"model.layers.1.self_attn.indexer.{n}.weight"] for n in ("wk", "wq_b"))
+    new = tuple(int(x) for x in release.split("."))
+    assert (wk == "BF16") == (new >= (0, 20, 0)), (release, wk)
+    assert (wq_b == "BF16") == (new >= (0, 24, 0)), (release, wq_b)
     assert tmap["model.layers.1.mlp.gate.weight"] in ("BF16", "F32")
     # the MTP block's modules as DeepSeekMTP names them
     assert "model.layers.2.mtp_block.self_attn.kv_b_proj.weight" in tmap
@@ -246,3 +247,11 @@ def test_non_glm_file_is_left_to_vllm(tmp_path):
     assert hooks.weights_map(tmp_path / "llama.gguf") is None
     assert hooks.config_for_gguf(str(tmp_path / "llama.gguf")) is None
     assert not tensors.is_glm_dsa(tmp_path / "nonexistent.gguf")
+
+
+@pytest.mark.parametrize("version, rules", [("0.16.0", "0.16.0"), ("0.19.1", "0.16.0"), ("0.20.0", "0.20.0"),
+                                            ("0.23.0", "0.20.0"), ("0.24.0", "0.24.0"), ("0.26.0", "0.24.0"),
+                                            ("0.33.0", "0.24.0"), ("0.26.1+cu130", "0.24.0"), ("0.15.1", "0.16.0")])
+def test_dense_rules_follow_the_release(version, rules):
+    """The dense-load rules of the newest release not after the running one (older than every key: the oldest)."""
+    assert weights.release_rules(version) == rules

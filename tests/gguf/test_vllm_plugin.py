@@ -127,7 +127,8 @@ def test_plugin_loader_streams_the_adapters_weights(site, tiny, tmp_path, tag):
     assert c["indexer_rope_interleave"] is True and c["tie_word_embeddings"] is False
     assert out["tok"][0] == out["tok"][1] and len(out["tok"][0]) > 5
     for must in ("model.layers.1.self_attn.kv_b_proj", "model.layers.1.mlp.gate",
-                 "model.layers.1.self_attn.indexer.wk", "model.layers.2.eh_proj"):
+                 "model.layers.1.self_attn.indexer.wk", "model.layers.1.self_attn.indexer.wq_b",
+                 "model.layers.2.eh_proj"):
         assert must in out["unquantized"], must
     # every streamed tensor against gguf-py's reading of the file
     stream = torch.load(save)
