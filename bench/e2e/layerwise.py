@@ -128,6 +128,7 @@ class Capture:
         self.heads = None                # set by forward_mqa (padded heads of FlashMLA are cut off)
         self.row_offset: dict = {}       # indexer layer -> rows of its calls so far in this step
         self.pending: list = []          # indexer samples waiting for their layer's chosen top-k
+        self.stale = 0                   # samples of steps whose attention did not run forward_mqa
         self.topk_rows: dict = {}        # layer -> compare_topk rows
         self.attn_errs: dict = {}        # layer -> attention errors
         self.calls: dict = {}            # hooked function -> calls captured
@@ -185,7 +186,14 @@ class Capture:
         cap = self
 
         def forward_cuda(op, *args, **kwargs):
-            cap.indexer_layer = getattr(getattr(op, "k_cache", None), "prefix", None)
+            # a new step of this layer: its rows count from 0 again, and samples of an earlier step that
+            # no forward_mqa paired (vLLM 0.26 sends prefills no longer than top-k to dense MHA) are dropped
+            layer = cap.indexer_layer = getattr(getattr(op, "k_cache", None), "prefix", None)
+            cap.row_offset[layer] = 0
+            stale = [p for p in cap.pending if p["layer"] == layer]
+            if stale:
+                cap.stale += len(stale)
+                cap.pending = [p for p in cap.pending if p["layer"] != layer]
             return fn(op, *args, **kwargs)
 
         return forward_cuda
@@ -214,6 +222,9 @@ class Capture:
         if buf is None:
             return
         for p in mine:
+            if int(p["rows"].max()) >= buf.shape[0]:   # rows this buffer cannot hold: not this step's
+                self.stale += 1
+                continue
             chosen = buf[p["rows"], :self.topk]
             rows = REF.compare_topk(chosen.cpu(), p["ref"].cpu(), p["ks"].cpu(), p["ke"].cpu(),
                                     self.topk, path_logits=p["path"].cpu())
@@ -325,7 +336,7 @@ def worker(spec: dict) -> dict:
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in spec["sequences"]], tf, use_tqdm=False)
     cap.on = False
     return {"layers": cap.summary(), "calls": cap.calls, "not_hooked": missing,
-            "unpaired_indexer_samples": len(cap.pending), "tf_s": round(time.perf_counter() - t0, 1)}
+            "unpaired_indexer_samples": len(cap.pending) + cap.stale, "tf_s": round(time.perf_counter() - t0, 1)}
 
 
 def _fmt(x, spec=".2e"):

@@ -287,6 +287,27 @@ def test_the_hooks_pair_each_layers_indexer_rows_with_its_chosen_topk_and_measur
     assert v.startswith("DEFECT") and "attention error" in v and "top-k" not in v
 
 
+def test_a_step_without_forward_mqa_leaves_no_sample_for_the_next_step():
+    """vLLM 0.26 sends a prefill no longer than top-k to dense MHA: the indexer ran, forward_mqa did not. Its
+    samples must not be paired with the next step's top-k, nor shift that step's rows (on the H200 the
+    shifted rows indexed past the top-k buffer: a device-side assert in every engine)."""
+    g = torch.Generator().manual_seed(6)
+    attention = lambda q, kv_cache, indices, softmax_scale, kv_format="bf16": KS.sparse_mla_reference(  # noqa: E731
+        q, kv_cache, indices, softmax_scale, kv_format)
+    cap = LW.Capture(topk=8, rows=2)
+    cap.on = True
+    q, kv, w, ks, ke = _fake_layer(g, D=16)
+    logits_fn = cap.indexer("indexer.fp8_fp4_mqa_logits",
+                            lambda q, kv, w, ks, ke, clean_logits=False: KI.fp8_mqa_logits_ref(q[0], kv, w, ks, ke))
+    cap.indexer_op(lambda op: logits_fn((q[:6], None), kv, w[:6], ks[:6].int(), ke[:6].int()))(_Op(0))
+    assert len(cap.pending) == 1 and cap.row_offset["model.layers.0.self_attn.indexer.k_cache"] == 6
+    _engine_step(cap, [0], 8, attention=attention, g=g)    # the next step: indexer, then forward_mqa
+    s = cap.summary()
+    assert s["model.layers.0.self_attn.attn"]["topk_rows"] == 4
+    assert s["model.layers.0.self_attn.attn"]["same_set"] == 1.0 and not cap.pending and cap.stale == 1
+    assert LW.verdict(s, "auto").startswith("rounding")
+
+
 def test_layerwise_main_runs_one_engine_per_cache_and_path_and_writes_the_table(tmp_path, monkeypatch):
     """The orchestration without a GPU: one worker per (kv, path), the dsv32 prompts longer than its
     top-k, the table and verdicts written to --out with the JSON beside it; a failed engine is a row."""
