@@ -65,6 +65,32 @@ class _Dumper:
         cls.forward_mqa = forward_mqa
 
 
+def _count_forward_mha() -> dict:
+    """Calls of each sparse impl's forward_mha (vLLM 0.26+: prefills no longer than top-k go to dense MHA
+    when the layer has a prefill backend), so a run says which path its short prefills took."""
+    import importlib
+
+    counts: dict = {}
+    for mod_name, cls_name in (("vllm.v1.attention.backends.mla.flashmla_sparse", "FlashMLASparseImpl"),
+                               ("vllm.v1.attention.backends.mla.flashattn_mla_sparse", "FlashAttnMLASparseImpl"),
+                               ("vllm._dsa_overlay.triton_mla_sparse", "TritonMLASparseImpl")):
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except Exception:  # noqa: BLE001 - not in this release / tree
+            continue
+        orig = getattr(cls, "forward_mha", None)
+        if orig is None:
+            continue
+        counts[cls_name] = 0
+
+        def forward_mha(impl, *args, __orig=orig, __name=cls_name, **kwargs):
+            counts[__name] += 1
+            return __orig(impl, *args, **kwargs)
+
+        cls.forward_mha = forward_mha
+    return counts
+
+
 def _census(fn):
     """(fn(), the CUDA kernels it launched: how many distinct, the vendor DSA ones by name with their
     counts, the 12 most launched) from torch.profiler (the engine runs in this process)."""
@@ -99,6 +125,7 @@ def worker(spec: dict) -> dict:
     triton_calls: dict = {}
     _instrument(VENDOR_ENTRY_POINTS, vendor_calls, raise_on_call=path == "triton")
     _instrument(TRITON_ENTRY_POINTS, triton_calls, raise_on_call=False)
+    mha_calls = _count_forward_mha()
     dumper = _Dumper()
     if spec.get("dump_path"):
         from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
@@ -175,6 +202,7 @@ def worker(spec: dict) -> dict:
         timed(8)  # warm-up
         short, long_ = min(timed(8) for _ in range(2)), min(timed(72) for _ in range(2))
         result["decode_tok_s"] = round(TPS_BATCH * 64 / max(long_ - short, 1e-9), 1)
+    result["forward_mha_calls"] = dict(mha_calls)
     result["vendor_calls"] = vendor_calls
     result["triton_calls"] = triton_calls
     return result
