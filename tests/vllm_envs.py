@@ -11,6 +11,7 @@ release listed without a patch set fails.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 
 from dsa_installer import cudastub, engine, fsops, manifest
 
+REPO = Path(__file__).resolve().parents[1]
 VENVS = Path(os.environ.get("DSA_OVERLAY_VLLM_VENVS", Path.home() / ".cache" / "dsa-overlay" / "venvs"))
 
 
@@ -58,6 +60,47 @@ def patched_site(version: str, dest: Path) -> tuple[Path, Path, dict]:
     return python, dest, subprocess_env(dest, site)
 
 
+_SHARED: dict = {}
+
+
+def shared_site(version: str, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """One patched copy of the release per test session (`patched_site`), for tests that only read it;
+    a test that writes or rolls back makes its own with `patched_site`."""
+    if version not in _SHARED:
+        _SHARED[version] = patched_site(version, tmp_path_factory.mktemp(f"shared-vllm{version}"))
+    return _SHARED[version]
+
+
+_VERIFY: dict = {}
+
+
+def verify_json(version: str, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """`verify.py --vllm-site-packages SITE --python VENV_PYTHON --json` on the shared patched copy, run once
+    per release and session (every module imported, the selection table of every capability, in the release's
+    own interpreter); the overlay switches are cleared so the table shows the shipped defaults."""
+    if version not in _VERIFY:
+        python, site, _ = shared_site(version, tmp_path_factory)
+        env = {k: v for k, v in os.environ.items() if k not in ("DSA_OVERLAY_PORTABLE", "DSA_OVERLAY_INDEXER")}
+        proc = subprocess.run([sys.executable, str(REPO / "verify.py"), "--vllm-site-packages", str(site),
+                               "--python", str(python), "--json"], capture_output=True, text=True, cwd=REPO,
+                              env=env, timeout=900)
+        _VERIFY[version] = (proc, json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {})
+    return _VERIFY[version]
+
+
+def selection_rows(report: str) -> list[dict]:
+    """The rows of verify_hooks' markdown selection table (verify's hooks report)."""
+    keys = ("cc", "kv_cache_dtype", "index_topk", "default", "portable", "explicit")
+    rows = []
+    for line in report.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(keys):
+            row = dict(zip(keys, cells))
+            row["index_topk"] = int(row["index_topk"])
+            rows.append(row)
+    return rows
+
+
 def subprocess_env(patched: Path, venv_site: Path) -> dict:
     """PYTHONPATH with the patched tree first; the stub libcuda where no driver exists."""
     env = dict(os.environ, PYTHONPATH=str(patched), HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
@@ -69,7 +112,6 @@ def subprocess_env(patched: Path, venv_site: Path) -> dict:
 
 # --- vllm-gguf-plugin (GGUF on vLLM >= 0.24) ---
 
-REPO = Path(__file__).resolve().parents[1]
 PLUGIN = ("vllm-gguf-plugin==0.0.3", "gguf==0.19.0")    # the pins that load beside torch 2.11 (FACTS)
 PLUGIN_HOOK = "vllm/plugins/__init__.py"
 

@@ -1,19 +1,14 @@
 """The sparse-MLA selection policy (overlay/selection.py), without vLLM, against a table written by hand
 from README's policy ("Sparse attention on every GPU"), and how the hook reads `index_topk`."""
 
-import json
 import re
-import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 
 import pytest
 
-from dsa_installer import manifest
 from overlay import selection as sel
-from tests import vllm_envs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -265,50 +260,5 @@ def test_index_topk_malformed_is_an_error(monkeypatch, value):
         sel._current_index_topk()
 
 
-@pytest.mark.parametrize("version", manifest.VENV_RELEASES)
-def test_index_topk_absent_in_real_vllm(version):
-    """The real vLLM: no config in context (as in verify_hooks' table), then a config without a model."""
-    python, _ = vllm_envs.require(version)
-    code = textwrap.dedent("""
-        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-        from overlay import selection
-        outside = selection._current_index_topk()
-        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-            print("RESULT", outside, selection._current_index_topk())
-    """)
-    proc = subprocess.run([str(python), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-1] == "RESULT None None"
-
-
-def _sm12x_expected(version, kv, topk):
-    """Hand-written: from 0.24.0 the wheel's SM12x list has FLASHINFER_MLA_SPARSE_SM120, which takes the caches it
-    stores as fp8_ds_mla (auto, fp8_ds_mla here) at index_topk 2048; before 0.24.0 SM12x has no upstream sparse
-    backend. Everything else on SM12x is TRITON_MLA_SPARSE."""
-    new = tuple(int(x) for x in version.split(".")) >= (0, 24, 0)
-    return "FLASHINFER_MLA_SPARSE_SM120" if new and kv in ("auto", "fp8_ds_mla") and topk == 2048 \
-        else "TRITON_MLA_SPARSE"
-
-
-@pytest.mark.parametrize("version", manifest.VENV_RELEASES)
-def test_sm12x_rows_in_real_vllm(version, tmp_path):
-    """The patched real vLLM's selection on SM12x (stub libcuda on CPU): upstream's SM120 sparse backend where
-    it accepts the config (0.24.0 on), TRITON_MLA_SPARSE for a bfloat16 cache and any other index_topk; the
-    switch and the explicit choice force Triton."""
-    python, root, env = vllm_envs.patched_site(version, tmp_path / "site")
-    code = textwrap.dedent("""
-        import json
-        from vllm._dsa_overlay import verify_hooks
-        rep = verify_hooks.selection_report(capabilities=((12, 0), (12, 1)))
-        print(json.dumps({"rows": rep.rows, "problems": rep.problems}))
-    """)
-    proc = subprocess.run([str(python), "-c", code], env=dict(env, DSA_OVERLAY_PORTABLE="0"), cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.splitlines()[-1])
-    assert len(out["rows"]) == 2 * 3 * 3
-    for r in out["rows"]:
-        want = _sm12x_expected(version, r["kv_cache_dtype"], r["index_topk"])
-        assert (r["cc"], r["kv_cache_dtype"], r["index_topk"], r["default"], r["portable"], r["explicit"]) == (
-            r["cc"], r["kv_cache_dtype"], r["index_topk"], want, "TRITON_MLA_SPARSE", "TRITON_MLA_SPARSE")
-    assert out["problems"] == []
+# In the real vLLM of every VENV_RELEASES venv: tests/backend/test_vllm_patched.py (index_topk outside a model
+# config, the selection table of verify.py with its SM12x rows).

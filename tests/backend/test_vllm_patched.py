@@ -1,12 +1,15 @@
 """The patched vLLM on CPU: this branch's diffs + overlay staged over a real vLLM install
 (the engine applies it to a hard-linked copy, see tests/vllm_envs.py), run in that install's interpreter with the stub libcuda.
 
-One real venv per release of manifest.VENV_RELEASES (one per family). Skipped, with the reason shown, when
-the vLLM venv or the stub is not on this machine (a failure under CI=true)."""
+One real venv per release of manifest.VENV_RELEASES (one per family). Each release's interpreter runs once for
+this module (PROBE: the patched modules and the backend's classes, the selection hook's log line, index_topk
+outside a model config, and on releases before 0.26 the builder and impl with a stand-in kernel; every part
+reports its own result or traceback), and verify.py once per session (tests/vllm_envs.py verify_json), whose
+selection table the table tests read. Skipped, with the reason shown, when the vLLM venv or the stub is not on
+this machine (a failure under CI=true)."""
 
 import json
 import subprocess
-import textwrap
 
 import pytest
 
@@ -14,40 +17,105 @@ from dsa_installer import engine, manifest
 from tests import vllm_envs
 
 
-@pytest.fixture(scope="module", params=manifest.VENV_RELEASES)
-def staged(request, tmp_path_factory):
-    """(python, patched site, env): the overlay applied by the engine to a hard-linked copy of a real vLLM."""
-    return vllm_envs.patched_site(request.param, tmp_path_factory.mktemp(f"vllm{request.param}"))
+def _release(version):
+    return tuple(int(x) for x in version.split("."))
 
 
-def run_python(staged, code, env_extra=None, timeout=300):
-    python, root, env = staged
-    return subprocess.run([str(python), "-c", code], env=dict(env, **(env_extra or {})), capture_output=True,
-                          text=True, timeout=timeout, cwd=str(root))
+PROBE = r"""
+import json, sys, traceback
+out = {}
+
+def part(name):
+    def run(fn):
+        try:
+            out[name] = fn()
+        except BaseException:
+            out[name] = {"traceback": traceback.format_exc()[-4000:]}
+    return run
+
+@part("imports")
+def _():
+    import vllm
+    import vllm.platforms.cuda
+    import vllm.model_executor.layers.sparse_attn_indexer as sai
+    import vllm.v1.attention.backends.mla.indexer
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+    B = E["TRITON_MLA_SPARSE"].get_class()
+    # the overlay's classes and the vLLM classes each one derives from (the release's real bases)
+    bases = {c.__name__: sorted({k.__module__ for k in c.__mro__[1:] if k.__module__.startswith("vllm.")})
+             for c in (B, B.get_impl_cls(), B.get_builder_cls())}
+    return {"file": vllm.__file__, "name": B.get_name(), "path": B.__module__, "sparse": B.is_sparse(),
+            "ix": sai._dsa_ix.__name__, "bases": bases,
+            "mods": sorted({c.__module__ for c in (B, B.get_impl_cls(), B.get_builder_cls())})}
+
+@part("index_topk_absent")
+def _():
+    # no config in context (as in verify_hooks' table), then a config without a model
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm._dsa_overlay import selection
+    outside = selection._current_index_topk()
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        return [outside, selection._current_index_topk()]
+
+@part("log_line")
+def _():
+    # the hook's one INFO line (vLLM's own logging, VLLM_LOGGING_LEVEL=INFO) between two markers on stdout
+    import inspect
+    from vllm._dsa_overlay import verify_hooks as v
+    platform = v._platform_at((8, 6))
+    kwargs = {"num_heads": 64} if "num_heads" in inspect.signature(platform.get_attn_backend_cls).parameters else {}
+    for f in (sys.stdout, sys.stderr):
+        print("@@LOG-START@@", file=f, flush=True)
+    picked = platform.get_attn_backend_cls(None, v._glm5_config("auto"), **kwargs)
+    for f in (sys.stdout, sys.stderr):
+        print("@@LOG-END@@", file=f, flush=True)
+    return picked
+
+if sys.argv[1] == "old-bases":
+    @part("builder_impl")
+    def _():
+        scope = {"RESULT": {}}
+        exec(compile(sys.argv[2], "BUILDER_IMPL", "exec"), scope)
+        return scope["RESULT"]["builder_impl"]
+
+print("@@JSON@@" + json.dumps(out))
+"""
 
 
-def run_json(staged, code, env=None):
-    proc = run_python(staged, textwrap.dedent(code), env_extra=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+_PROBES: dict = {}
 
 
-def test_patched_modules_import_and_enum(staged):
-    out = run_json(staged, """
-        import json, vllm
-        import vllm.platforms.cuda
-        import vllm.model_executor.layers.sparse_attn_indexer as sai
-        import vllm.v1.attention.backends.mla.indexer
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
-        B = E["TRITON_MLA_SPARSE"].get_class()
-        # the overlay's classes and the vLLM classes each one derives from (the release's real bases)
-        bases = {c.__name__: sorted({k.__module__ for k in c.__mro__[1:] if k.__module__.startswith("vllm.")})
-                 for c in (B, B.get_impl_cls(), B.get_builder_cls())}
-        print(json.dumps({"file": vllm.__file__, "name": B.get_name(), "path": B.__module__,
-                          "sparse": B.is_sparse(), "ix": sai._dsa_ix.__name__, "bases": bases,
-                          "mods": sorted({c.__module__ for c in (B, B.get_impl_cls(), B.get_builder_cls())})}))
-    """)
-    assert out["file"].startswith(str(staged[1]))  # the staged copy, not the venv's
+def run_probe(version, tmp_path_factory):
+    """(version, {part: result or {"traceback": ...}}, the log lines between the markers, the patched site):
+    PROBE in the release's interpreter, once per release."""
+    if version not in _PROBES:
+        python, root, env = vllm_envs.shared_site(version, tmp_path_factory)
+        mode = "old-bases" if _release(version) < (0, 26, 0) else "shared-bases"
+        proc = subprocess.run([str(python), "-c", PROBE, mode, BUILDER_IMPL],
+                              env=dict(env, VLLM_LOGGING_LEVEL="INFO", DSA_OVERLAY_PORTABLE="0"),
+                              capture_output=True, text=True, timeout=600, cwd=str(root))
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("@@JSON@@")), None)
+        assert line is not None, (proc.stdout + proc.stderr)[-5000:]
+        log = [l for text in (proc.stdout, proc.stderr)   # vLLM's handler writes to one of the two
+               for l in text[text.find("@@LOG-START@@"):text.find("@@LOG-END@@")].splitlines()[1:]]
+        _PROBES[version] = (version, json.loads(line[len("@@JSON@@"):]), log, root)
+    return _PROBES[version]
+
+
+@pytest.fixture(params=manifest.VENV_RELEASES)
+def probe(request, tmp_path_factory):
+    return run_probe(request.param, tmp_path_factory)
+
+
+def part(probe, name):
+    result = probe[1][name]
+    assert not (isinstance(result, dict) and "traceback" in result), result.get("traceback")
+    return result
+
+
+def test_patched_modules_import_and_enum(probe):
+    out = part(probe, "imports")
+    assert out["file"].startswith(str(probe[3]))  # the staged copy, not the venv's
     assert out == {**out, "name": "TRITON_MLA_SPARSE", "sparse": True,
                    "path": "vllm._dsa_overlay.triton_mla_sparse",
                    "ix": "vllm._dsa_overlay.indexer_ops"}
@@ -56,45 +124,63 @@ def test_patched_modules_import_and_enum(staged):
         assert [m for m in mods if not m.startswith("vllm._dsa_overlay")], (name, mods)
 
 
-def test_selection_table(staged):
-    out = run_json(staged, """
-        import json
-        from vllm._dsa_overlay import verify_hooks
-        rep = verify_hooks.selection_report()
-        assert verify_hooks.report() == str(rep)
-        print(json.dumps({"rows": rep.rows, "problems": rep.problems, "table": str(rep)}))
-    """, env={"DSA_OVERLAY_PORTABLE": "0"})
-    rows = {(r["cc"], r["kv_cache_dtype"], r["index_topk"]): r for r in out["rows"]}
+def test_index_topk_absent_in_real_vllm(probe):
+    """The real vLLM: no config in context (as in verify_hooks' table), then a config without a model."""
+    assert part(probe, "index_topk_absent") == [None, None]
+
+
+def test_selection_logs_one_line_why(probe):
+    assert part(probe, "log_line").endswith("TritonMLASparseBackend")
+    lines = [l for l in probe[2] if "dsa-overlay" in l]
+    assert len(lines) == 1, probe[2]
+    assert "TRITON_MLA_SPARSE" in lines[0] and "cc 8.6" in lines[0]
+    assert "FLASHMLA_SPARSE: compute capability not supported" in lines[0]
+
+
+@pytest.fixture(params=manifest.VENV_RELEASES)
+def table(request, tmp_path_factory):
+    """The selection table verify.py printed in the release's own interpreter (rows keyed by cc, kv, top-k)."""
+    proc, r = vllm_envs.verify_json(request.param, tmp_path_factory)
+    assert r.get("hooks"), (proc.stdout + proc.stderr)[-3000:]
+    assert r["hooks"]["ok"], r["hooks"]["report"]   # verify_hooks raises on a row the policy disagrees with
+    rows = vllm_envs.selection_rows(r["hooks"]["report"])
+    return request.param, {(x["cc"], x["kv_cache_dtype"], x["index_topk"]): x for x in rows}
+
+
+def test_selection_table(table):
+    _, rows = table
     for cc in ("8.0", "8.6", "8.9"):
         for kv in ("auto", "bfloat16", "fp8_ds_mla"):
-            assert rows[cc, kv, 2048]["default"] == "TRITON_MLA_SPARSE", out["table"]
-    for cc in ("12.0", "12.1"):  # the fp8 caches at top-k 2048 per release: test_selection.test_sm12x_rows_in_real_vllm
-        assert rows[cc, "bfloat16", 2048]["default"] == "TRITON_MLA_SPARSE", out["table"]
-        assert rows[cc, "fp8_ds_mla", 256]["default"] == "TRITON_MLA_SPARSE", out["table"]
+            assert rows[cc, kv, 2048]["default"] == "TRITON_MLA_SPARSE", rows
+    for cc in ("12.0", "12.1"):  # the fp8 caches at top-k 2048 per release: test_sm12x_rows_in_real_vllm
+        assert rows[cc, "bfloat16", 2048]["default"] == "TRITON_MLA_SPARSE", rows
+        assert rows[cc, "fp8_ds_mla", 256]["default"] == "TRITON_MLA_SPARSE", rows
     for kv in ("auto", "bfloat16", "fp8_ds_mla"):
         assert rows["9.0", kv, 2048]["explicit"] == "TRITON_MLA_SPARSE"
         assert rows["9.0", kv, 2048]["portable"] == "TRITON_MLA_SPARSE"
         assert rows["9.0", kv, 2048]["default"].startswith("FLASHMLA_SPARSE")
         assert rows["9.0", kv, 200]["default"] == "TRITON_MLA_SPARSE"  # FlashMLA needs index_topk % 128 == 0
-    assert out["problems"] == [], out["table"]
 
 
-def test_selection_logs_one_line_why(staged):
-    code = textwrap.dedent("""
-        import torch
-        from vllm._dsa_overlay import verify_hooks as v
-        v._platform_at((8, 6)).get_attn_backend_cls(None, v._glm5_config("auto"),
-                                                     **({"num_heads": 64} if "num_heads" in
-                                                        __import__("inspect").signature(
-                                                        v._platform_at((8, 6)).get_attn_backend_cls
-                                                        ).parameters else {}))
-    """)
-    proc = run_python(staged, code, env_extra={"VLLM_LOGGING_LEVEL": "INFO"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [l for l in (proc.stdout + proc.stderr).splitlines() if "dsa-overlay" in l]
-    assert len(lines) == 1, lines
-    assert "TRITON_MLA_SPARSE" in lines[0] and "cc 8.6" in lines[0]
-    assert "FLASHMLA_SPARSE: compute capability not supported" in lines[0]
+def _sm12x_expected(version, kv, topk):
+    """Hand-written: from 0.24.0 the wheel's SM12x list has FLASHINFER_MLA_SPARSE_SM120, which takes the caches it
+    stores as fp8_ds_mla (auto, fp8_ds_mla here) at index_topk 2048; before 0.24.0 SM12x has no upstream sparse
+    backend. Everything else on SM12x is TRITON_MLA_SPARSE."""
+    new = _release(version) >= (0, 24, 0)
+    return "FLASHINFER_MLA_SPARSE_SM120" if new and kv in ("auto", "fp8_ds_mla") and topk == 2048 \
+        else "TRITON_MLA_SPARSE"
+
+
+def test_sm12x_rows_in_real_vllm(table):
+    """The patched real vLLM's selection on SM12x (stub libcuda on CPU): upstream's SM120 sparse backend where
+    it accepts the config (0.24.0 on), TRITON_MLA_SPARSE for a bfloat16 cache and any other index_topk; the
+    switch and the explicit choice force Triton."""
+    version, rows = table
+    sm12x = [r for (cc, _, _), r in rows.items() if cc in ("12.0", "12.1")]
+    assert len(sm12x) == 2 * 3 * 3
+    for r in sm12x:
+        want = _sm12x_expected(version, r["kv_cache_dtype"], r["index_topk"])
+        assert (r["default"], r["portable"], r["explicit"]) == (want, "TRITON_MLA_SPARSE", "TRITON_MLA_SPARSE"), r
 
 
 BUILDER_IMPL = """
@@ -103,12 +189,18 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm._dsa_overlay import triton_mla_sparse as tms, triton_mla_sparse_ops as ops
 
-def fp32_sparse_mla_standin(q, kv, indices, softmax_scale, kv_format="bf16"):
-    # test-only float32 stand-in with the kernel's contract (bf16 cache)
+def fp32_sparse_mla_standin(q, kv, indices, softmax_scale, kv_format="bf16", block_table=None, req_id=None):
+    # test-only float32 stand-in with the kernel's contract (bf16 cache); with block_table and req_id the
+    # indices are request-local positions: slot = block_table[req_id[t], p // block_size] * block_size + p % bs
+    bs = kv.shape[1]
     kv = kv.reshape(-1, kv.shape[-1])
     out = torch.zeros(q.shape[0], q.shape[1], 512)
     for t in range(q.shape[0]):
         idx = indices[t].long()
+        if block_table is not None:
+            valid = idx >= 0
+            idx = torch.where(valid, block_table[int(req_id[t])].long()[(idx.clamp_min(0) // bs)] * bs
+                              + idx.clamp_min(0) % bs, torch.full_like(idx, -1))
         idx = idx[(idx >= 0) & (idx < kv.shape[0])]
         if idx.numel():
             k = kv[idx].float()
@@ -150,18 +242,24 @@ for t, r in enumerate([0, 1, 1, 1]):
     ref = torch.softmax(q[t].float() @ rows.T * 0.1, -1) @ rows[:, :512]
     # the stand-in's only error is the final bf16 rounding: relative to each element, at most 2^-9
     errs.append(((out[t].float() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item())
-print(json.dumps({"req_ids": md.req_id_per_token[:4].tolist(), "tail": int(md.req_id_per_token[4:].abs().sum()),
-                  "shape": list(out.shape), "lse": lse, "max_err": max(errs),
-                  "cg": str(tms.TritonMLASparseMetadataBuilder.get_cudagraph_support(cfg, None))}))
+RESULT["builder_impl"] = {"req_ids": md.req_id_per_token[:4].tolist(), "tail": int(md.req_id_per_token[4:].abs().sum()),
+                          "shape": list(out.shape), "lse": lse, "max_err": max(errs),
+                          "cg": str(tms.TritonMLASparseMetadataBuilder.get_cudagraph_support(cfg, None))}
 """
 
 
-def test_builder_and_impl_with_standin_kernel(staged):
-    out = run_json(staged, BUILDER_IMPL)
-    assert out["req_ids"] == [0, 1, 1, 1] and out["tail"] == 0
-    assert out["shape"] == [4, 5, 512] and out["lse"] is None
-    assert out["max_err"] <= 2 ** -8  # bf16 rounding (<= 2^-9 relative) with margin; a wrong block is O(1)
-    assert out["cg"].endswith("UNIFORM_BATCH")
+OLD_BASES = [v for v in manifest.VENV_RELEASES if _release(v) < (0, 26, 0)]
+
+
+@pytest.mark.parametrize("version", OLD_BASES)
+def test_builder_and_impl_with_standin_kernel(version, tmp_path_factory):
+    """0.16-0.25 (SparseMLAAttentionImpl bases; the builder does the whole step itself). 0.26's shared
+    builder and impl: tests/backend/test_vllm_026.py."""
+    r = part(run_probe(version, tmp_path_factory), "builder_impl")
+    assert r["req_ids"] == [0, 1, 1, 1] and r["tail"] == 0
+    assert r["shape"] == [4, 5, 512] and r["lse"] is None
+    assert r["max_err"] <= 2 ** -8  # bf16 rounding (<= 2^-9 relative) with margin; a wrong block is O(1)
+    assert r["cg"].endswith("UNIFORM_BATCH")
 
 
 @pytest.mark.parametrize("version", manifest.VENV_RELEASES)

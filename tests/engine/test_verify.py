@@ -130,12 +130,13 @@ def test_verify_reports_each_module_and_fails_on_import_errors(tree, capsys):
 
 
 @pytest.mark.parametrize("version", manifest.VENV_RELEASES)
-def test_verify_in_the_real_vllm_venv_passes(version, tmp_path):
+def test_verify_in_the_real_vllm_venv_passes(version, tmp_path_factory):
     """verify with the interpreter of the real vLLM venv (stub libcuda on a CPU machine): every module
-    imports, the selection hook's table has every capability and cache format, exit code 0."""
-    python, site, env = vllm_envs.patched_site(version, tmp_path / "site")
-    proc = cli("--vllm-site-packages", site, "--python", python, "--json", script="verify.py")
-    r = json.loads(proc.stdout)
+    imports, the selection hook's table has every capability and cache format, exit code 0. (The run is
+    shared with tests/backend/test_vllm_patched.py's selection tables: tests/vllm_envs.py verify_json.)"""
+    python, site, env = vllm_envs.shared_site(version, tmp_path_factory)
+    proc, r = vllm_envs.verify_json(version, tmp_path_factory)
+    assert r, (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, [m for m in r["modules"] if not m["ok"]] + [r["hooks"]]
     targets = [verify.module_name(p.target) for p in manifest.load(version).patches]
     assert [(m["module"], m["ok"], m["error"]) for m in r["modules"]] == [
