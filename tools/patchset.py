@@ -28,6 +28,7 @@ release instead of 0.5-1.3 GB; the wheel itself is not kept), edit/<X>/ (edit tr
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -66,6 +67,13 @@ def fetch(version: str, quiet: bool = False) -> Path:
     """The unpacked pristine release `version` (site-packages layout, without compiled binaries), downloading
     the wheel into a temporary folder if needed."""
     dest = pristine_dir(version)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{version}.lock", "w") as lock:   # one fetch per release at a time (pytest -n)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch_locked(version, dest, quiet)
+
+
+def _fetch_locked(version: str, dest: Path, quiet: bool) -> Path:
     slim = dest.with_name(version + _SLIM_SUFFIX)
     if (dest / f"vllm-{version}.dist-info" / "METADATA").is_file():
         if not slim.is_file():  # unpacked whole by an older fetch: drop the binaries

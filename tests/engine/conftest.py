@@ -89,14 +89,35 @@ def trees(tmp_path_factory):
     return get
 
 
-@pytest.fixture(params=VERSIONS)
-def tree(request, trees) -> Tree:
-    """A pristine copy of each supported release; copied anew afterwards if the test left it dirty."""
+# One release per patch-set family (test_patch_sets checks that VENV_RELEASES covers every family). The engine's
+# transactions are one code path for every release; what differs between releases of a family is only the
+# bytes of the hunks, which every release's round trip, compile, `git apply` and refusal tests check. The
+# exhaustive engine tests (a kill, a failure or a full disk at every file-system call, hostile state, locks)
+# run once per family, on this release: a module that wants that says `tree = family_tree_fixture()`.
+FAMILY_RELEASES = [v for v in manifest.VENV_RELEASES if v in VERSIONS]
+
+
+def _pristine_copy(request, trees):
     t = trees(request.param)
     t.assert_pristine()
     yield t
     if t.differences() or (t.path / "vllm" / ".dsa_overlay").exists():
         t.copy()
+
+
+@pytest.fixture(params=VERSIONS)
+def tree(request, trees) -> Tree:
+    """A pristine copy of each supported release; copied anew afterwards if the test left it dirty."""
+    yield from _pristine_copy(request, trees)
+
+
+def family_tree_fixture(name: str = "tree"):
+    """A fixture `name` (default: `tree`) over FAMILY_RELEASES (one release per family) for the module that
+    assigns it."""
+    @pytest.fixture(params=FAMILY_RELEASES, name=name)
+    def tree(request, trees) -> Tree:
+        yield from _pristine_copy(request, trees)
+    return tree
 
 
 def cli(*args, cwd=REPO, script="apply.py", **kw) -> subprocess.CompletedProcess:

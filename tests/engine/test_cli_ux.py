@@ -14,8 +14,10 @@ import pytest
 from dsa_installer import engine, manifest
 from dsa_installer.bootstrap import DEFAULT_VLLM
 
-from .conftest import REPO, assert_error, cli
+from .conftest import family_tree_fixture, REPO, assert_error, cli
 from .test_lock import _hold_lock
+
+tree = family_tree_fixture()  # the engine's exhaustive cases: one release per family (conftest)
 
 BARE_FIX = "run `python apply.py bootstrap` (a venv with everything) or `pip install -e .`"
 

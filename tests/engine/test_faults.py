@@ -21,7 +21,9 @@ import pytest
 from dsa_installer import engine, manifest, plan, state
 from dsa_installer.errors import UserError
 
-from .conftest import assert_error, cli
+from .conftest import family_tree_fixture, assert_error, cli
+
+tree = family_tree_fixture()  # the engine's exhaustive cases: one release per family (conftest)
 
 _FD_CALLS = ("write", "fsync", "fchmod")
 _PATH_CALLS = ("replace", "rename", "link", "unlink", "remove", "rmdir", "mkdir", "chmod", "symlink")

@@ -13,7 +13,9 @@ import pytest
 from dsa_installer import engine, fsops, manifest, state
 from dsa_installer.errors import UserError
 
-from .conftest import assert_error, cli
+from .conftest import family_tree_fixture, assert_error, cli
+
+tree = family_tree_fixture()  # the engine's exhaustive cases: one release per family (conftest)
 
 RECOVER = ("nothing was changed; move it away and run `apply.py rollback`, which then restores vLLM from the "
            "backups it can verify against the patch set")

@@ -9,7 +9,9 @@ import time
 
 from dsa_installer import engine
 
-from .conftest import REPO, assert_error, cli
+from .conftest import family_tree_fixture, REPO, assert_error, cli
+
+tree = family_tree_fixture()  # the engine's exhaustive cases: one release per family (conftest)
 
 
 def _hold_lock(site):

@@ -15,7 +15,9 @@ import pytest
 from dsa_installer import _verify_child, cudastub, engine, manifest, verify
 from tests import vllm_envs
 
-from .conftest import REPO, cli
+from .conftest import REPO, cli, family_tree_fixture
+
+family_tree = family_tree_fixture("family_tree")  # one release per family (conftest)
 
 # Prefix of the one-line error of a module that cannot import because a package is missing.
 NO_MODULE = "ModuleNotFoundError: No module named "
@@ -85,7 +87,8 @@ def test_stub_symbols_agree_with_binutils():
     assert cudastub.driver_symbols(site) == sorted(n for n in names if cudastub._DRIVER_SYMBOL.fullmatch(n.encode()))
 
 
-def test_verify_reports_each_module_and_fails_on_import_errors(tree, capsys):
+def test_verify_reports_each_module_and_fails_on_import_errors(family_tree, capsys):
+    tree = family_tree
     """This interpreter lacks vLLM's dependencies: each patched vLLM module fails, naming a package that the
     real vLLM venv has and this interpreter has not; every overlay module imports (no vLLM at module level), unless
     the `vllm` package itself cannot (0.26.0), and then each fails the same way."""
@@ -107,8 +110,10 @@ def test_verify_reports_each_module_and_fails_on_import_errors(tree, capsys):
     else:  # 0.24.0 on: each overlay module reports exactly the package's own missing dependency
         assert package_error.startswith(NO_MODULE), package_error
         assert {(rows[n]["ok"], rows[n]["error"]) for n in overlay_modules()} == {(False, package_error)}
-    failed = [rows[n] for n in targets]
-    assert [m["module"] for m in failed if m["ok"]] == []
+    # vllm/plugins/__init__.py (0.24-0.25) imports what the failed imports before it already left loaded in
+    # verify's one interpreter (vllm.envs, vllm.logger), so it imports there; every other target fails
+    assert [n for n in targets if rows[n]["ok"]] in ([], ["vllm.plugins"])
+    failed = [rows[n] for n in targets if not rows[n]["ok"]]
     assert r["hooks"]["ok"] is False  # the selection table imports vLLM
     missing = _missing_names(failed + [r["hooks"] | {"error": r["hooks"]["report"]}]
                              + [rows[n] for n in overlay_modules() if not rows[n]["ok"]])
@@ -129,6 +134,7 @@ def test_verify_reports_each_module_and_fails_on_import_errors(tree, capsys):
     assert table[-1] == "verify: FAILED"
 
 
+@pytest.mark.xdist_group("vllm-venvs")
 @pytest.mark.parametrize("version", manifest.VENV_RELEASES)
 def test_verify_in_the_real_vllm_venv_passes(version, tmp_path_factory):
     """verify with the interpreter of the real vLLM venv (stub libcuda on a CPU machine): every module
@@ -152,7 +158,8 @@ def test_verify_in_the_real_vllm_venv_passes(version, tmp_path_factory):
     assert r["ok"] is True
 
 
-def test_verify_hooks_and_selftest_extension_points(tree):
+def test_verify_hooks_and_selftest_extension_points(family_tree):
+    tree = family_tree
     site = tree.path
     stand_in = None
     if (package_error := _package_import_error(site)) is not None:  # 0.24.0 on (see _package_import_error)
@@ -179,12 +186,15 @@ def test_verify_hooks_and_selftest_extension_points(tree):
     tree.assert_pristine()
 
 
-def test_verify_on_a_pristine_tree_checks_the_targets(tree):
+def test_verify_on_a_pristine_tree_checks_the_targets(family_tree):
+    tree = family_tree
     r = verify.run(tree.path, sys.executable)
     assert r["checked"] == "no overlay applied (pristine targets)"
     assert [m["module"] for m in r["modules"]] == [verify.module_name(p.target)
                                                    for p in manifest.load(tree.version).patches]
-    assert not any(m["ok"] for m in r["modules"]) and _missing_names(r["modules"])  # no vLLM deps here
+    ok = [m["module"] for m in r["modules"] if m["ok"]]
+    assert ok in ([], ["vllm.plugins"])  # see test_verify_reports_each_module_and_fails_on_import_errors
+    assert _missing_names([m for m in r["modules"] if not m["ok"]])  # no vLLM deps here
     assert (r["hooks"], r["selftest"], r["ok"]) == (None, None, False)
     tree.assert_pristine()
 
