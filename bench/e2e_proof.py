@@ -29,7 +29,10 @@ engine does not exit by itself), and one that hangs is killed at its timeout.
 Per-layer dumps (default; `--no-dump` skips them; models with top-k <= 256 only): for every attention
 call of the teacher-forced pass, the indexer's top-k rows and the attention output; layer 0 sees
 bit-identical inputs in every run, so there any top-k difference is an indexer bug and any output
-error above bf16 rounding an attention bug. The layer-by-layer comparison of each path with a float64
+error above bf16 rounding an attention bug. Tokens are matched by KV slot (vLLM 0.26's backends order a
+batch's short prefills differently), and with dumps on every run sets vLLM 0.26+'s `sparse_mla_force_mqa`,
+so that every token goes through `forward_mqa` in every engine (without it upstream sends prefills no
+longer than top-k to dense MHA by its own batch split, and the dumps see other calls). The layer-by-layer comparison of each path with a float64
 reference is bench/e2e/layerwise.py.
 
 No GPU: `--rejudge run.json[,later.json] --plan h200-0.23` rebuilds the report of stored runs with

@@ -7,23 +7,46 @@ from __future__ import annotations
 from .plan import FLOOR_FACTOR, LAYER0_ERR_P99, LAYER0_SAME_SET, MIN_IDENTICAL_STEPS
 
 
+def _aligned(a: list, b: list):
+    """Pairs of calls (one layer, one step) and, per pair, the candidate's row order that matches the
+    reference's. Calls that carry their tokens' KV slots are matched by slot, so two engines that order a
+    batch's tokens differently (vLLM 0.26's backends reorder short prefills by their own thresholds) still
+    compare token by token; older dumps without slots match row by row."""
+    pairs = []
+    for i, (ca, cb) in enumerate(zip(a, b)):
+        if ca["layer"] != cb["layer"] or ca["out"].shape != cb["out"].shape:
+            raise ValueError(f"call {i}: {ca['layer']} {tuple(ca['out'].shape)} vs "
+                             f"{cb['layer']} {tuple(cb['out'].shape)}")
+        if "slots" in ca and "slots" in cb:
+            sa, sb = ca["slots"].tolist(), cb["slots"].tolist()
+            where = {s: r for r, s in enumerate(sa)}
+            if sorted(sa) != sorted(sb) or len(where) != len(sa):
+                raise ValueError(f"call {i}: {ca['layer']}: the two runs' tokens differ (KV slots)")
+            order = [where[s] for s in sb]
+        else:
+            order = list(range(ca["out"].shape[0]))
+        pairs.append((ca, cb, order))
+    return pairs
+
+
 def compare_dumps(cand_path: str, ref_path: str, topk: int) -> dict:
     """Per layer, and split at position < topk / >= topk: how often the candidate's top-k set equals
     the reference's, mean set overlap, and the attention output's relative error (per token:
-    max |a - b| / max |b| over heads and channels)."""
+    max |a - b| / max |b| over heads and channels). Tokens are matched by KV slot within each call."""
     import torch
 
     a, b = torch.load(cand_path), torch.load(ref_path)
     if len(a) != len(b):
         return {"error": f"{len(a)} vs {len(b)} attention calls: schedules differ"}
+    try:
+        pairs = _aligned(a, b)
+    except ValueError as e:
+        return {"error": str(e)}
     groups: dict = {}
     tokens = []
-    for i, (ca, cb) in enumerate(zip(a, b)):
-        if ca["layer"] != cb["layer"] or ca["out"].shape != cb["out"].shape:
-            return {"error": f"call {i}: {ca['layer']} {tuple(ca['out'].shape)} vs "
-                             f"{cb['layer']} {tuple(cb['out'].shape)}"}
-        ta, tb = ca["topk"][:, :topk], cb["topk"][:, :topk]
-        oa, ob = ca["out"].float(), cb["out"].float()
+    for i, (ca, cb, order) in enumerate(pairs):
+        ta, tb = ca["topk"][order, :topk], cb["topk"][:, :topk]
+        oa, ob = ca["out"][order].float(), cb["out"].float()
         err = ((oa - ob).abs().flatten(1).amax(1) / ob.abs().flatten(1).amax(1).clamp_min(1e-30))
         for t in range(ta.shape[0]):
             sa = set(ta[t][ta[t] >= 0].tolist())

@@ -263,6 +263,8 @@ def prove(args, plan) -> tuple[str, bool]:
     dump_dir = work / "dumps"
     dump_dir.mkdir(exist_ok=True)
     dumping = not args.no_dump
+    if dumping:
+        how += "; every run with sparse_mla_force_mqa where the release has it (0.26+: no dense-MHA prefill)"
 
     def dump_path(run):
         # another schedule (chunking) or a model whose dumps would be huge: no dump
@@ -276,7 +278,9 @@ def prove(args, plan) -> tuple[str, bool]:
                     graphs=run.graphs, tps=run.tps, **prompts[run.model],
                     mem=mem, chunk=run.chunk,
                     max_model_len=model.max_model_len, census=run.path in ("upstream", "triton"),
-                    dump_path=dump_path(run))
+                    dump_path=dump_path(run),
+                    # every run alike, so that floors and candidates take the same paths (0.26+)
+                    force_mqa=dumping)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

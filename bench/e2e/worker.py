@@ -41,7 +41,8 @@ def _instrument(modules: dict, counts: dict, raise_on_call: bool):
 
 class _Dumper:
     """Records, per attention call of the teacher-forced pass, the indexer's top-k rows (request-local
-    positions, before any slot conversion) and the attention output handed to W_UV."""
+    positions, before any slot conversion), the attention output handed to W_UV and each token's KV slot
+    (the same token in two engines: the scheduler, not the backend, allocates blocks)."""
 
     def __init__(self):
         self.on = False
@@ -58,6 +59,7 @@ class _Dumper:
                 dumper.calls.append({
                     "layer": str(getattr(layer, "layer_name", "?")),
                     "topk": impl.topk_indices_buffer[:n].to("cpu", copy=True),
+                    "slots": attn_metadata.slot_mapping[:n].to("cpu", copy=True),  # token identity
                     "out": out[:n].to("cpu", copy=True),
                 })
             return out, lse
@@ -149,13 +151,24 @@ def worker(spec: dict) -> dict:
     # upstream is asked for FLASHMLA_SPARSE by name (vLLM 0.26.0 would pick FLASH_ATTN_MLA_SPARSE)
     if path in ATTENTION_BACKEND:
         kwargs["attention_backend"] = ATTENTION_BACKEND[path]
+    result_extra = {}
+    if spec.get("force_mqa"):
+        # vLLM 0.26+ sends prefills no longer than top-k to dense MHA, by each backend's own batch split:
+        # with the switch on, every token of the teacher-forced pass goes through forward_mqa in every engine
+        try:
+            from vllm.config import AttentionConfig
+        except ImportError:  # releases before the attention config
+            AttentionConfig = None
+        if "sparse_mla_force_mqa" in getattr(AttentionConfig, "__dataclass_fields__", {}):
+            kwargs["attention_config"] = {"sparse_mla_force_mqa": True}
+            result_extra["force_mqa"] = True
     if spec["graphs"]:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
     else:
         kwargs["enforce_eager"] = True
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    result = {"startup_s": round(time.perf_counter() - t0, 1)}
+    result = {"startup_s": round(time.perf_counter() - t0, 1), **result_extra}
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True,

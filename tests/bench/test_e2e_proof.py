@@ -48,6 +48,31 @@ def test_compare_dumps_splits_layers_and_positions(tmp_path):
     assert "schedules differ" in short["error"]
 
 
+def test_compare_dumps_matches_tokens_by_kv_slot_whatever_each_engine_ordered_its_batch(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    topk = 4
+    out = torch.randn(5, 2, 512, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 50, (5, topk), generator=g, dtype=torch.int32)
+    slots = torch.tensor([130, 7, 64, 65, 8])
+    ref = [{"layer": "l0", "topk": idx, "out": out, "slots": slots}]
+    perm = [3, 0, 4, 1, 2]                       # the candidate ran the same tokens in another order
+    cand = [{"layer": "l0", "topk": idx[perm], "out": out[perm].clone(), "slots": slots[perm]}]
+    d = J.compare_dumps(_dump(tmp_path / "c.pt", cand), _dump(tmp_path / "r.pt", ref), topk)
+    assert d["rows"][0]["same_set"] == 1.0 and d["rows"][0]["err_max"] == 0
+    # row order alone (the old matching) would have compared other tokens
+    plain = [{k: v for k, v in c.items() if k != "slots"} for c in cand]
+    d = J.compare_dumps(_dump(tmp_path / "p.pt", plain), str(tmp_path / "r.pt"), topk)
+    assert d["rows"][0]["same_set"] < 1.0 and d["rows"][0]["err_max"] > 0.5
+    # a wrong output on one token is seen on that token only
+    cand[0]["out"][0] *= 2.0                     # slot 65
+    d = J.compare_dumps(_dump(tmp_path / "w.pt", cand), str(tmp_path / "r.pt"), topk)
+    assert abs(d["rows"][0]["err_max"] - 1.0) < 1e-2 and d["rows"][0]["err_median"] == 0
+    # other tokens in one run: not compared
+    other = [dict(cand[0], slots=torch.tensor([65, 130, 9, 7, 64]))]
+    d = J.compare_dumps(_dump(tmp_path / "o.pt", other), str(tmp_path / "r.pt"), topk)
+    assert "tokens differ" in d["error"]
+
+
 def test_run_names_are_derived_from_their_fields_and_every_plan_is_consistent():
     assert P.Run("glm5", "upstream").name == "glm5/upstream/bf16/eager"
     assert P.Run("glm5", "upstream", chunk=512).name == "glm5/upstream/bf16/eager/c512"
