@@ -265,7 +265,14 @@ class Capture:
         # flatten FlashMLA's [B, s_q, H, D] / [s_q, h_kv, topk] shapes to rows
         q = q.reshape(-1, q.shape[-2], q.shape[-1])
         out = out.reshape(-1, out.shape[-2], out.shape[-1])
-        idx = idx.reshape(q.shape[0], -1)
+        bt, rid = a.get("block_table"), a.get("req_id")
+        if bt is not None and rid is not None:
+            # request-local positions in a fixed-address buffer (rows past T unread) that the kernel
+            # converts itself (the overlay's backend from 0.26 on): the slots it reads
+            idx = idx.reshape(-1, idx.shape[-1])[: q.shape[0]]
+            idx = REF.local_to_slots(idx, rid[: q.shape[0]], bt, kv.shape[1])
+        else:
+            idx = idx.reshape(q.shape[0], -1)
         if length is not None:
             length = length.reshape(-1)
         heads = min(self.heads or q.shape[1], q.shape[1])

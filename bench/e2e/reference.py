@@ -83,6 +83,19 @@ def compare_topk(chosen, ref_logits, ks, ke, topk: int, path_logits=None, tie_re
     return rows
 
 
+def local_to_slots(local: torch.Tensor, req_id: torch.Tensor, block_table: torch.Tensor,
+                   block_size: int) -> torch.Tensor:
+    """Request-local top-k positions -> slot ids, -1 where invalid (a negative position, a block past
+    the table's width, a negative table entry): what the attention kernel reads when it is given
+    block_table / req_id. local: [R, K]; req_id: [R] the request row of each token."""
+    local, bt = local.long(), block_table.long()
+    blk = torch.div(local, block_size, rounding_mode="floor")
+    ok = (local >= 0) & (blk < bt.shape[1])
+    phys = bt[req_id.long()[:, None].expand_as(local), blk.clamp(0, bt.shape[1] - 1)]
+    ok &= phys >= 0
+    return torch.where(ok, phys * block_size + local - blk * block_size, -1)
+
+
 def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor, valid_len=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [R, K, 576] float64, valid [R, K] bool) of the slots a sparse attention kernel was given.
 

@@ -219,7 +219,7 @@ class _Op:
         self.k_cache = type("C", (), {"prefix": f"model.layers.{i}.self_attn.indexer.k_cache"})()
 
 
-def _engine_step(cap, layers, topk, pick=None, attention=None, g=None, logits=None, D=16):
+def _engine_step(cap, layers, topk, pick=None, attention=None, g=None, logits=None, D=16, paged=False):
     """What vLLM does per layer in one prefill step, with the hooks of layerwise.install: the indexer
     op (two logits calls, 3 rows each, q passed as vLLM 0.20+ does: (values, None)), the top-k into
     the shared buffer, forward_mqa -> attention."""
@@ -242,6 +242,11 @@ def _engine_step(cap, layers, topk, pick=None, attention=None, g=None, logits=No
         cap.indexer_op(lambda op: indexer_forward(op))(_Op(i))
 
         def mqa(impl, q_, kv_cache, md, layer):
+            if paged:   # the 0.26 backend: request-local positions in a larger buffer, converted in the kernel
+                big = torch.full((9, topk), -1, dtype=torch.int32)
+                big[:6] = buf.clamp(max=63)
+                return attn_fn(q_attn, cache, big, 576 ** -0.5, block_table=PAGED_TABLE,
+                               req_id=torch.zeros(9, dtype=torch.int32))
             return attn_fn(q_attn, cache, buf.clamp(max=63), 576 ** -0.5)
 
         cap.forward_mqa(mqa)(_Impl(buf), None, None, None, _Layer(i))
@@ -285,6 +290,40 @@ def test_the_hooks_pair_each_layers_indexer_rows_with_its_chosen_topk_and_measur
     _engine_step(cap, [0], 8, attention=off_by_one, g=g)
     v = LW.verdict(cap.summary(), "auto")
     assert v.startswith("DEFECT") and "attention error" in v and "top-k" not in v
+
+
+PAGED_TABLE = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)   # position p -> block PAGED_TABLE[0, p // 16]
+
+
+def test_attention_given_request_local_indices_and_a_block_table_is_checked_on_the_slots_it_reads():
+    """From vLLM 0.26 the overlay's backend hands the kernel the indexer's request-local buffer (more rows
+    than tokens) with block_table / req_id. The hook must compare against the slots those positions map
+    to (on the H200 it reshaped the whole buffer to the token count and crashed); a kernel that reads the
+    wrong block is a DEFECT."""
+    from overlay.triton_mla_sparse_ops import convert_req_index_to_global
+
+    def paged(shift):
+        def attention(q, kv_cache, indices, softmax_scale, kv_format="bf16", block_table=None, req_id=None):
+            T = q.shape[0]
+            slots = convert_req_index_to_global(req_id[:T], block_table.roll(shift, 1), indices[:T], 16)
+            return KS.sparse_mla_reference(q, kv_cache, slots, softmax_scale, kv_format)
+        return attention
+
+    local = torch.tensor([[0, 17, 63, -1], [40, 64, 5, 31]])
+    assert REF.local_to_slots(local, torch.zeros(2, dtype=torch.int32), PAGED_TABLE, 16).tolist() == [
+        [32, 1, 31, -1], [56, -1, 37, 15]]
+    g = torch.Generator().manual_seed(7)
+    cap = LW.Capture(topk=8, rows=2)
+    cap.on = True
+    _engine_step(cap, [0, 1], 8, attention=paged(0), g=g, paged=True)
+    s = cap.summary()
+    assert all(l["attn_rows"] == 2 and l["attn_err_max"] < 1e-6 for l in s.values()), s
+    assert LW.verdict(s, "auto").startswith("rounding")
+    cap = LW.Capture(topk=8, rows=2)
+    cap.on = True
+    _engine_step(cap, [0], 8, attention=paged(1), g=g, paged=True)
+    v = LW.verdict(cap.summary(), "auto")
+    assert v.startswith("DEFECT") and "attention error" in v
 
 
 def test_a_step_without_forward_mqa_leaves_no_sample_for_the_next_step():
