@@ -251,7 +251,7 @@ class Capture:
 
     def _attention_sample(self, key, a, res):
         torch = self.torch
-        out = res[0] if isinstance(res, tuple) else res
+        out = res[0] if isinstance(res, (tuple, list)) else res  # flash_mla_sparse_fwd (0.26): a list
         if a.get("extra_k_cache") is not None or a.get("attn_sink") is not None:
             self._count(f"{key} (extra cache / sink, skipped)")
             return
