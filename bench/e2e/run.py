@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from .judge import compare_dumps
-from .plan import (DEFAULT_CHUNK, GREEDY_STEPS, MODELS, TPS_BATCH, UPSTREAM_PATHS, VOCAB, Model, estimate_s,
-                   index_topk)
+from .plan import (ATTENTION_BACKEND, DEFAULT_CHUNK, GREEDY_STEPS, MODELS, TPS_BATCH, UPSTREAM_PATHS, VOCAB, Model,
+                   estimate_s, index_topk)
 from .report import report, results_markdown
 from .worker import spec_arg
 
@@ -258,6 +258,9 @@ def prove(args, plan) -> tuple[str, bool]:
         done = {n: r for n, r in json.loads((work / RESULTS_JSON).read_text())["runs"].items()
                 if "error" not in r}
     done.update({r.name: {"error": missing[r.model]} for r in runs if r.model in missing})
+    absent = backends_absent(upstream_pp, {ATTENTION_BACKEND[r.path] for r in runs if r.path in ATTENTION_BACKEND})
+    done.update({r.name: {"error": f"{ATTENTION_BACKEND[r.path]} is not in this vLLM release"}
+                 for r in runs if ATTENTION_BACKEND.get(r.path) in absent})
     prompts = {m: make_prompts(MODELS[m], s["vocab"]) for m, s in sources.items()}
 
     dump_dir = work / "dumps"
@@ -311,6 +314,17 @@ def prove(args, plan) -> tuple[str, bool]:
                       lambda run: upstream_pp if run.path in UPSTREAM_PATHS else patched_pp,
                       t_start, max(1, args.parallel), args.max_minutes * 60, write, done)
     return write(results)
+
+
+def backends_absent(pythonpath: str, names: set) -> set:
+    """The attention backends of `names` that the release's registry does not list (FLASH_ATTN_MLA_SPARSE
+    is new in 0.25.0), read from the file without importing vLLM; empty where the registry is not found."""
+    for root in pythonpath.split(os.pathsep):
+        reg = Path(root) / "vllm" / "v1" / "attention" / "backends" / "registry.py"
+        if reg.is_file():
+            text = reg.read_text()
+            return {n for n in names if f"{n} =" not in text}
+    return set()
 
 
 def vllm_version(pythonpath: str) -> str:

@@ -73,6 +73,19 @@ def test_compare_dumps_matches_tokens_by_kv_slot_whatever_each_engine_ordered_it
     assert "tokens differ" in d["error"]
 
 
+def test_backends_a_release_does_not_have_are_found_in_its_registry_file():
+    """FLASH_ATTN_MLA_SPARSE is new in vLLM 0.25.0: on 0.20.0 the informative second-upstream run failed at
+    engine start (H200); the proof now marks it absent from the release's own registry file."""
+    import os
+
+    from tools import patchset
+    names = {"FLASHMLA_SPARSE", "FLASH_ATTN_MLA_SPARSE"}
+    old, new = patchset.fetch("0.20.0", quiet=True), patchset.fetch("0.26.0", quiet=True)
+    assert RUN.backends_absent(os.pathsep.join(["/nonexistent", str(old)]), names) == {"FLASH_ATTN_MLA_SPARSE"}
+    assert RUN.backends_absent(str(new), names) == set()
+    assert RUN.backends_absent("/nonexistent", names) == set()
+
+
 def test_run_names_are_derived_from_their_fields_and_every_plan_is_consistent():
     assert P.Run("glm5", "upstream").name == "glm5/upstream/bf16/eager"
     assert P.Run("glm5", "upstream", chunk=512).name == "glm5/upstream/bf16/eager/c512"
