@@ -17,6 +17,9 @@ from dsa_installer import engine, manifest
 from tests import vllm_envs
 
 
+pytestmark = pytest.mark.xdist_group("vllm-venvs")  # one worker: the probe and verify runs are shared per release
+
+
 def _release(version):
     return tuple(int(x) for x in version.split("."))
 
