@@ -135,7 +135,7 @@ class DirectLauncher:
             return self.fn[grid](*args, **kwargs)
         if self._driver is None:
             self._bind_driver()
-        get_device, get_stream, runtime = self._driver
+        get_device, runtime = self._driver[0], self._driver[2]
         device = get_device()
         try:
             key = self.key(device, args, kwargs)
@@ -148,6 +148,40 @@ class DirectLauncher:
             if key is not None and len(args) == len(self._runtime) and not self.fn.pre_run_hooks:
                 self._remember(key, kernel, kwargs)
             return kernel
+        self._run(entry, grid, args, device)
+        return entry[0]
+
+    # ----------------------------------------------------------------------------- kept entries
+    def entry(self, args, kwargs):
+        """What this launcher keeps for a call with these arguments on the current device, or None (not seen
+        yet, direct launch off). A call site that fixes every argument's specialisation but the tensors'
+        pointers (a plan keyed on shapes, strides and dtypes) keeps it and launches later calls with
+        :meth:`launch_entry`, past the per-call key."""
+        if not self.enabled:
+            return None
+        if self._driver is None:
+            self._bind_driver()
+        device = self._driver[0]()
+        try:
+            kept = self._cache.get(self.key(device, args, kwargs))
+        except (TypeError, KeyError, IndexError):
+            return None
+        return None if kept is None else (device, kept)
+
+    def launch_entry(self, entry, grid, args) -> bool:
+        """Launch a kept entry with `args`, which must specialise as the call it was kept from did (the
+        caller checks its tensors' 16-byte alignment: the one property a plan key cannot hold). False,
+        nothing launched, where Triton's JIT entry must decide (a debug knob or a pre-run hook set since)."""
+        if not self.enabled:
+            return False
+        device = self._driver[0]()
+        if device != entry[0] or self._driver[2].debug or self.fn.pre_run_hooks:
+            return False  # (another current device: its own binary)
+        self._run(entry[1], grid, args, device)
+        return True
+
+    def _run(self, entry, grid, args, device):
+        get_stream, runtime = self._driver[1], self._driver[2]
         kernel, tail = entry
         self.direct_calls += 1
         full = args + tail
@@ -160,7 +194,6 @@ class DirectLauncher:
         else:  # no hook to call: the launcher skips None (no metadata dict, no empty-chain calls)
             metadata = enter = exit_ = None
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *full)
-        return kernel
 
     def _remember(self, key, kernel, kwargs):
         from triton import knobs

@@ -743,79 +743,160 @@ def sparse_mla_attention(
         lse: [T, H] float32, natural-log log-sum-exp of the scaled scores over the valid indices.
         A row without any valid index gets out = 0 and lse = -inf (never NaN).
     """
-    paged = _check_paged(q, indices, block_table, req_id)
-    indices = _check_inputs(q, kv_cache, indices, kv_format, paged)
-    if kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8:
-        kv_cache = kv_cache.view(torch.uint8)
-    kv, stride_b, stride_t, block_size, num_slots = _slot_view(kv_cache, kv_format)
-    if q.dtype != torch.bfloat16:
-        raise ValueError(f"sparse_mla_attention: q must be bfloat16, got {q.dtype}")
-    if q.stride(-1) != 1:
-        raise ValueError("sparse_mla_attention: q must be contiguous in its last dimension")
-    if indices.stride(-1) != 1:
-        indices = indices.contiguous()
-    T, H, _ = q.shape
-    topk = indices.shape[1]
-    if out is None:
-        out = torch.empty((T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
-    elif out.shape != (T, H, KV_LORA_RANK) or out.stride(-1) != 1:
-        raise ValueError(f"sparse_mla_attention: out must be [T, H, 512] with a contiguous last dimension, "
-                         f"got {tuple(out.shape)}")
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    elif lse.shape != (T, H) or lse.dtype != torch.float32:
-        raise ValueError(f"sparse_mla_attention: lse must be float32 [T, H], got {lse.dtype} {tuple(lse.shape)}")
-    if T == 0:
+    key = _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, _fp8_native)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:  # validates every argument; a repeat call with the same key reuses it
+        plan = _Plan(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, _fp8_native)
+        if key is not None:
+            if len(_PLANS) >= _PLAN_LIMIT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch plans: host cost of a repeat call
+# ----------------------------------------------------------------------------------------------------
+# Everything sparse_mla_attention derives from its arguments (checks, views, config, split, grid, strides,
+# constexprs) depends on their shapes, strides, dtypes and devices only, so it is planned once per such key
+# and a repeat call (every decode step of every layer) allocates its outputs and launches. Each launch keeps
+# the launcher's entry (overlay/kernels/launch.py) and the 16-byte alignment of its tensors: a repeat whose
+# pointers align the same way launches that binary without Triton's per-argument specialisation (every other
+# argument it specialises on is fixed by the plan key); any other goes through the launcher as before.
+# Planning is on where every launcher launches directly (not in the interpreter, not with
+# DSA_OVERLAY_DIRECT_LAUNCH=0); the plan is also what an unplanned call builds and runs once.
+_PLANNING = bool(LAUNCHERS) and all(x.enabled for x in LAUNCHERS)
+_PLANS: dict = {}
+_PLAN_LIMIT = 4096  # distinct keys (mostly token counts) before the table is dropped and refilled
+
+
+def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native):
+    if not _PLANNING:
+        return None
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
+               kv_cache.device, indices.shape, indices.stride(), indices.dtype, kv_format, config, fp8_native,
+               None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+               None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device),
+               None if block_table is None else (block_table.shape[1:], block_table.stride(), block_table.dtype),
+               None if req_id is None else (req_id.shape, req_id.stride(), req_id.dtype))
+        hash(key)
+    except (AttributeError, TypeError, IndexError):  # not tensors, an unhashable config: no plan (the checks say)
+        return None
+    return key
+
+
+class _Plan:
+    """One call's checked arguments and derived launches (see the comment above)."""
+
+    def __init__(self, q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native):
+        paged = _check_paged(q, indices, block_table, req_id)
+        self.squeeze_idx = indices.dim() == 3
+        indices = _check_inputs(q, kv_cache, indices, kv_format, paged)
+        self.u8 = kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8
+        if self.u8:
+            kv_cache = kv_cache.view(torch.uint8)
+        kv, stride_b, stride_t, block_size, num_slots = _slot_view(kv_cache, kv_format)
+        self.kv_view = kv_cache.dim()  # 4: drop the KV-head axis, 2: one slot per block, 3: as given
+        if q.dtype != torch.bfloat16:
+            raise ValueError(f"sparse_mla_attention: q must be bfloat16, got {q.dtype}")
+        if q.stride(-1) != 1:
+            raise ValueError("sparse_mla_attention: q must be contiguous in its last dimension")
+        self.copy_idx = indices.stride(-1) != 1
+        if self.copy_idx:
+            indices = indices.contiguous()
+        T, H, _ = q.shape
+        topk = indices.shape[1]
+        if out is not None and (out.shape != (T, H, KV_LORA_RANK) or out.stride(-1) != 1):
+            raise ValueError(f"sparse_mla_attention: out must be [T, H, 512] with a contiguous last dimension, "
+                             f"got {tuple(out.shape)}")
+        if lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32):
+            raise ValueError(f"sparse_mla_attention: lse must be float32 [T, H], got {lse.dtype} {tuple(lse.shape)}")
+        self.T, self.H, self.topk, self.paged = T, H, topk, paged
+        self.entries, self.aligns = [None, None, None], [None, None, None]
+        if T == 0:
+            return
+        capability, sm_count = _device_info(q.device)
+        if paged:  # request-local positions -> slot ids: one small launch (the backend's conversion rule)
+            self.slots_grid = (T, _cdiv(topk, _SLOTS_BLOCK))
+            self.slots_ints = (topk, block_size, block_table.shape[1], indices.stride(0), block_table.stride(0))
+            self.slots_kw = dict(BLOCK=_SLOTS_BLOCK, num_warps=4, num_stages=1)
+            idx_stride = topk  # the slots tensor
+        else:
+            idx_stride = indices.stride(0)
+        if config is None:
+            config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
+        bh, bn = config.block_h, config.block_n
+        if bh not in (16, 32, 64, 128) or bn not in (16, 32, 64, 128):
+            raise ValueError(f"sparse_mla_attention: bad config {config}: block_h and block_n must be 16..128, "
+                             "powers of two")
+        if config.dv_split not in (1, 2):
+            raise ValueError(f"sparse_mla_attention: bad config {config}: dv_split must be 1 or 2")
+        num_splits = max(1, min(config.num_splits, _cdiv(topk, bn)))
+        split_len = _cdiv(_cdiv(topk, num_splits), bn) * bn
+        num_splits = _cdiv(topk, split_len)
+        num_head_groups = _cdiv(H, bh)
+        fp8_native = (capability >= (8, 9)) if fp8_native is None else bool(fp8_native)
+        self.split, self.num_splits = num_splits > 1, num_splits
+        out_s = (H * KV_LORA_RANK, KV_LORA_RANK) if out is None else (out.stride(0), out.stride(1))
+        lse_s = (H, 1) if lse is None else (lse.stride(0), lse.stride(1))
+        self.grid = (T * num_splits * config.dv_split * num_head_groups,)
+        self.fwd_ints = (H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
+                         q.stride(0), q.stride(1), stride_b, stride_t, idx_stride) + out_s + lse_s
+        self.fwd_kw = dict(
+            IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=self.split, DOT_F32=INTERPRETED,
+            BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split,
+            FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla",
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        if self.split:
+            chunk, block_d = _combine_bucket(num_splits)
+            self.comb_grid = (T * H, KV_LORA_RANK // block_d)
+            self.comb_ints = (H, num_splits) + out_s + lse_s
+            self.comb_kw = dict(CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1)
+
+    def _launch(self, i, launcher, grid, tensors, args, kw):
+        """Launch i of this plan: its kept entry where the tensors align as when it was kept, else the
+        launcher (which keeps the entry the first time)."""
+        align = tuple([t.data_ptr() % 16 == 0 for t in tensors])
+        entry = self.entries[i]
+        if entry is not None and align == self.aligns[i] and launcher.launch_entry(entry, grid, args):
+            return
+        launcher(grid, *args, **kw)
+        if entry is None and hasattr(launcher, "entry"):
+            self.entries[i], self.aligns[i] = launcher.entry(args, kw), align
+
+    def run(self, q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id):
+        T, H = self.T, self.H
+        if self.u8:
+            kv_cache = kv_cache.view(torch.uint8)
+        kv = kv_cache[:, :, 0] if self.kv_view == 4 else kv_cache.unsqueeze(1) if self.kv_view == 2 else kv_cache
+        if self.squeeze_idx:
+            indices = indices[:, 0]
+        if self.copy_idx:
+            indices = indices.contiguous()
+        if out is None:
+            out = torch.empty((T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
+        if lse is None:
+            lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+        if T == 0:
+            return out, lse
+        if self.paged:
+            slots = torch.empty((T, self.topk), dtype=torch.int32, device=q.device)
+            t = (indices, req_id, block_table, slots)
+            self._launch(0, _slots_launch, self.slots_grid, t, t + self.slots_ints, self.slots_kw)
+            indices = slots
+        if self.split:
+            po = torch.empty((T, H, self.num_splits, KV_LORA_RANK), dtype=torch.float32, device=q.device)
+            plse = torch.empty((T, H, self.num_splits), dtype=torch.float32, device=q.device)
+        else:
+            po = plse = out  # unused (SPLIT=False)
+        t = (q, kv, indices, out, lse, po, plse)
+        self._launch(1, _fwd_launch, self.grid, t, t + self.fwd_ints + (float(softmax_scale) * _LOG2E,),
+                     self.fwd_kw)
+        if self.split:
+            t = (po, plse, out, lse)
+            self._launch(2, _combine_launch, self.comb_grid, t, t + self.comb_ints, self.comb_kw)
         return out, lse
-
-    capability, sm_count = _device_info(q.device)
-    if paged:  # request-local positions -> slot ids: one small launch (the backend's conversion rule)
-        slots = torch.empty((T, topk), dtype=torch.int32, device=q.device)
-        _slots_launch((T, _cdiv(topk, _SLOTS_BLOCK)), indices, req_id, block_table, slots, topk, block_size,
-                      block_table.shape[1], indices.stride(0), block_table.stride(0), BLOCK=_SLOTS_BLOCK,
-                      num_warps=4, num_stages=1)
-        indices = slots
-    if config is None:
-        config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
-    bh, bn = config.block_h, config.block_n
-    if bh not in (16, 32, 64, 128) or bn not in (16, 32, 64, 128):
-        raise ValueError(f"sparse_mla_attention: bad config {config}: block_h and block_n must be 16..128, "
-                         "powers of two")
-    num_splits = max(1, min(config.num_splits, _cdiv(topk, bn)))
-    split_len = _cdiv(_cdiv(topk, num_splits), bn) * bn
-    num_splits = _cdiv(topk, split_len)
-    num_head_groups = _cdiv(H, bh)
-    fp8_native = (capability >= (8, 9)) if _fp8_native is None else bool(_fp8_native)
-    split = num_splits > 1
-    if split:
-        po = torch.empty((T, H, num_splits, KV_LORA_RANK), dtype=torch.float32, device=q.device)
-        plse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        po = plse = out  # unused (SPLIT=False)
-
-    if config.dv_split not in (1, 2):
-        raise ValueError(f"sparse_mla_attention: bad config {config}: dv_split must be 1 or 2")
-    grid = (T * num_splits * config.dv_split * num_head_groups,)
-    _fwd_launch(
-        grid, q, kv, indices, out, lse, po, plse,
-        H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
-        q.stride(0), q.stride(1),
-        stride_b, stride_t,
-        indices.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        float(softmax_scale) * _LOG2E,
-        IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=split, DOT_F32=INTERPRETED,
-        BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split, FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla",
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    if split:
-        chunk, block_d = _combine_bucket(num_splits)
-        _combine_launch(
-            (T * H, KV_LORA_RANK // block_d), po, plse, out, lse, H, num_splits,
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1,
-        )
-    return out, lse
 
 
 def dequantize_fp8_ds_mla(kv_rows: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ from overlay.kernels.launch import DirectLauncher  # noqa: E402
 @pytest.fixture(autouse=True)
 def _fresh_jit_caches():
     """Every test starts with empty Triton kernel caches (the stand-in kernels of one test never reach another)."""
-    kernels = [SM._sparse_mla_fwd_kernel, SM._sparse_mla_combine_kernel, IX._mqa_logits_kernel,
-               IX._paged_mqa_logits_kernel]
+    kernels = [SM._sparse_mla_fwd_kernel, SM._sparse_mla_combine_kernel, SM._request_slots_kernel,
+               IX._mqa_logits_kernel, IX._paged_mqa_logits_kernel]
     for k in kernels:
         k.device_caches.clear()
     yield
@@ -154,3 +154,109 @@ def test_the_kernel_modules_launch_directly(module, kernels):
     assert len(module.LAUNCHERS) == kernels
     for launcher in module.LAUNCHERS:
         assert launcher.reason is None, launcher.reason
+
+
+def _same_launches(a, b):
+    """Launch records of two calls of one function: the same binary, grid, stream and metadata, the same
+    input tensors, fresh output tensors of the same shape, strides and dtype, and equal scalars."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x[0] is y[0] and x[1:5] == y[1:5]
+        assert len(x[5]) == len(y[5])
+        for u, v in zip(x[5], y[5]):
+            if isinstance(u, torch.Tensor):
+                assert isinstance(v, torch.Tensor) and (u is v or (u.shape, u.stride(), u.dtype) == (
+                    v.shape, v.stride(), v.dtype)), (u.shape, v.shape)
+            else:
+                assert type(u) is type(v) and u == v, (u, v)
+
+
+def _fresh_module_launchers():
+    """The kernel module's launchers and plans forget what earlier tests kept (entries of another stand-in
+    driver's kernels, and that driver's bound device/stream getters)."""
+    SM._PLANS.clear()
+    for x in SM.LAUNCHERS:
+        x._cache.clear()
+        x._driver = None
+
+
+def _unplanned(call):
+    """`call` with planning and direct launch off: what Triton's JIT entry launches for it."""
+    saved = SM._PLANNING, [x.enabled for x in SM.LAUNCHERS]
+    SM._PLANNING = False
+    for x in SM.LAUNCHERS:
+        x.enabled = False
+    try:
+        return call()
+    finally:
+        SM._PLANNING = saved[0]
+        for x, e in zip(SM.LAUNCHERS, saved[1]):
+            x.enabled = e
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["slot-ids", "request-local"])
+@pytest.mark.parametrize("kv_format,T", [("bf16", 1), ("bf16", 40), ("fp8_ds_mla", 3)])
+def test_a_planned_repeat_call_launches_what_the_jit_entry_launches(monkeypatch, kv_format, T, paged):
+    """sparse_mla_attention plans a call once per (shapes, strides, dtypes, devices): a repeat call launches
+    the binaries the first call's launches were specialised to, with the arguments Triton's JIT entry
+    passes for that call (1-3 launches: slot conversion, attention, split merge), past the per-argument key."""
+    monkeypatch.setattr(SM, "_device_info", lambda device: ((9, 0), 132))
+    g = torch.Generator().manual_seed(T)
+    H, topk = 16, 256
+    q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16)
+    kv = (torch.randn(8, 64, 576, generator=g).to(torch.bfloat16) if kv_format == "bf16"
+          else torch.randint(0, 255, (8, 64, 656), generator=g, dtype=torch.uint8))
+    extra = {}
+    if paged:
+        idx = torch.randint(-1, 300, (T + 5, topk), generator=g, dtype=torch.int32)  # a larger buffer
+        extra = dict(block_table=torch.randint(0, 8, (3, 6), generator=g, dtype=torch.int32),
+                     req_id=torch.randint(0, 3, (T + 7,), generator=g, dtype=torch.int32))
+    else:
+        idx = torch.randint(-1, 512, (T, topk), generator=g, dtype=torch.int32)
+
+    def call():
+        return SM.sparse_mla_attention(q, kv, idx, 0.07, kv_format, **extra)
+
+    with fake_triton() as fake:
+        _fresh_module_launchers()
+        assert SM._PLANNING
+        call()                                   # plans; its launches go through the launchers
+        assert len(SM._PLANS) == 1
+        n = len(fake.launches)
+        direct = [x.direct_calls for x in SM.LAUNCHERS]
+        call()                                   # the plan, launching the kept binaries
+        planned = fake.launches[n:]
+        assert 1 + paged <= len(planned) <= 2 + paged
+        assert sum(x.direct_calls for x in SM.LAUNCHERS) - sum(direct) == len(planned)
+        assert len(SM._PLANS) == 1
+        n = len(fake.launches)
+        _unplanned(call)
+        _same_launches(planned, fake.launches[n:])
+
+
+def test_a_plan_checks_pointer_alignment_and_new_shapes_are_new_plans(monkeypatch):
+    """The one property of an argument a plan key cannot hold is its pointer's 16-byte alignment, which Triton
+    specialises on: an out= view misaligned where the kept binary assumed alignment is launched with the binary
+    specialised for it, never the kept one."""
+    monkeypatch.setattr(SM, "_device_info", lambda device: ((9, 0), 132))
+    q = torch.randn(2, 16, 576).to(torch.bfloat16)
+    kv = torch.randn(4, 64, 576).to(torch.bfloat16)
+    idx = torch.randint(0, 256, (2, 64), dtype=torch.int32)
+    aligned = torch.empty(2 * 16 * 512 + 8, dtype=torch.bfloat16)
+    with fake_triton() as fake:
+        _fresh_module_launchers()
+        out_a = aligned[:2 * 16 * 512].view(2, 16, 512)
+        out_m = aligned[1:1 + 2 * 16 * 512].view(2, 16, 512)   # 2 bytes off: not 16-byte aligned
+        assert out_a.data_ptr() % 16 == 0 and out_m.data_ptr() % 16 != 0
+        SM.sparse_mla_attention(q, kv, idx, 0.1, out=out_a)
+        SM.sparse_mla_attention(q, kv, idx, 0.1, out=out_a)
+        kept = fake.launches[-1][0]
+        SM.sparse_mla_attention(q, kv, idx, 0.1, out=out_m)      # same plan key, other alignment
+        assert len(SM._PLANS) == 1
+        other = fake.launches[-1][0]
+        assert other is not kept and len(fake.compiled) == 2
+        n = len(fake.launches)
+        _unplanned(lambda: SM.sparse_mla_attention(q, kv, idx, 0.1, out=out_m))
+        assert fake.launches[-1][0] is other and len(fake.launches) == n + 1
+        SM.sparse_mla_attention(q[:1], kv, idx[:1], 0.1)          # other shapes: another plan
+        assert len(SM._PLANS) == 2
