@@ -99,9 +99,11 @@ def set_direct(enabled: bool) -> None:
     for mod in (SM, IX):
         for launcher in mod.LAUNCHERS:
             launcher.enabled = enabled and launcher.reason is None
-    # the kill switch also turns sparse_mla_attention's launch plans off (they keep direct-launch entries)
+    # the kill switch also turns the launch plans off (they keep direct-launch entries)
     SM._PLANS.clear()
+    IX._PAGED_PLANS.clear()
     SM._PLANNING = bool(SM.LAUNCHERS) and all(x.enabled for x in SM.LAUNCHERS)
+    IX._PLANNING = bool(IX.LAUNCHERS) and all(x.enabled for x in IX.LAUNCHERS)
 
 
 def sync(cuda: bool) -> None:

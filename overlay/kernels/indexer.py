@@ -386,14 +386,23 @@ INTERPRETED = type(_mqa_logits_kernel).__name__ == "InterpretedFunction"
 
 try:  # imported as part of the kernels package (vLLM, the GPU checks, bench/launch_census.py)
     from .launch import DirectLauncher as _Launcher
+    from .launch import KeptLaunch as _Kept
 except ImportError:  # loaded by path (interpreter tests, cross-compile workers): Triton's JIT entry
     def _Launcher(fn):
         return lambda grid, *args, **kwargs: fn[grid](*args, **kwargs)
+
+    def _Kept(launcher):
+        return lambda grid, tensors, args, kwargs: launcher(grid, *args, **kwargs)
 
 # Host launch cost: cached CompiledKernels launched past Triton's JIT entry (overlay/kernels/launch.py).
 _prefill_launch = _Launcher(_mqa_logits_kernel)
 _decode_launch = _Launcher(_paged_mqa_logits_kernel)
 LAUNCHERS = [x for x in (_prefill_launch, _decode_launch) if hasattr(x, "enabled")]
+# fp8_paged_mqa_logits plans a call once per (shapes, strides, dtypes, devices, lengths) key, as
+# sparse_mla_attention does (see there): on where every launcher launches directly.
+_PLANNING = bool(LAUNCHERS) and all(x.enabled for x in LAUNCHERS)
+_PAGED_PLANS: dict = {}
+_PLAN_LIMIT = 4096
 
 MAX_HEADS = 128
 SUPPORTED_CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
@@ -878,60 +887,107 @@ def fp8_paged_mqa_logits(
     `_config` (a DecodeConfig, or a dict of its fields to override in the default) and `_out` (a
     preallocated result) are for tests and benchmarks.
     """
-    q = q_fp8
-    if q.dim() != 4:
-        _fail(f"q_fp8 must be [B, next_n, H, D], got shape {tuple(q.shape)}")
-    B, next_n, H, D = q.shape
-    if D != HEAD_DIM:
-        _fail(f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
-    if not (1 <= H <= MAX_HEADS):
-        _fail(f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
-    if q.dtype in _PACKED_FP4:
-        _fp4_unsupported("q")
-    if q.dtype != _FP8:
-        _fail(f"q_fp8 must be torch.float8_e4m3fn, got {q.dtype}")
-    block_size, stride_blk = _check_paged_cache(kv_cache_fp8, D)
-    if weights.shape != (B * next_n, H):
-        _fail(f"weights must be [B * next_n = {B * next_n}, H = {H}], got {tuple(weights.shape)}")
-    if context_lens.dim() == 1:
-        if context_lens.shape[0] != B:
-            _fail(f"context_lens must be [B={B}] or [B, next_n], got "
-                  f"{tuple(context_lens.shape)}")
-        is_1d, stride_cb, stride_cj = 1, context_lens.stride(0), 0
-    else:
-        if not (context_lens.dim() == 2 and context_lens.shape == (B, next_n)):
-            _fail(f"context_lens must be [B={B}] or [B, next_n={next_n}], got "
-                  f"{tuple(context_lens.shape)}")
-        is_1d, stride_cb, stride_cj = 0, context_lens.stride(0), context_lens.stride(1)
-    if context_lens.dtype != torch.int32:
-        _fail(f"context_lens must be int32, got "
-              f"{context_lens.dtype}")
-    if not (block_tables.dim() == 2 and block_tables.shape[0] >= B
-           and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1):
-        _fail(f"block_tables must be [B={B}, max_blocks] int32 with contiguous rows, got "
-              f"{tuple(block_tables.shape)} {block_tables.dtype}")
-    if q.stride(3) != 1:
-        q = q.contiguous()
-    max_model_len = int(max_model_len)
+    key = _paged_key(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, max_model_len, clean_logits,
+                     _config, _out)
+    plan = _PAGED_PLANS.get(key) if key is not None else None
+    if plan is None:  # checks every argument; a repeat call with the same key reuses it
+        plan = _PagedPlan(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, max_model_len,
+                          clean_logits, _config, _out)
+        if key is not None:
+            if len(_PAGED_PLANS) >= _PLAN_LIMIT:
+                _PAGED_PLANS.clear()
+            _PAGED_PLANS[key] = plan
+    return plan.run(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, _out)
 
-    logits = _result(_out, (B * next_n, max_model_len), q.device)
-    if B == 0 or max_model_len == 0:
+
+def _paged_key(q, kv_cache, weights, context_lens, block_tables, max_model_len, clean_logits, config, out):
+    if not _PLANNING or config is not None:
+        return None
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
+               weights.shape, weights.stride(), weights.dtype, context_lens.shape, context_lens.stride(),
+               context_lens.dtype, block_tables.shape, block_tables.stride(), block_tables.dtype,
+               int(max_model_len), bool(clean_logits),
+               None if out is None else (out.shape, out.stride(), out.dtype))
+        hash(key)
+    except (AttributeError, TypeError, ValueError):  # not tensors: no plan (the checks say what is wrong)
+        return None
+    return key
+
+
+class _PagedPlan:
+    """One fp8_paged_mqa_logits call's checked arguments and launches (one per group of T draft tokens)."""
+
+    def __init__(self, q, kv_cache_fp8, weights, context_lens, block_tables, max_model_len, clean_logits,
+                 config, out):
+        if q.dim() != 4:
+            _fail(f"q_fp8 must be [B, next_n, H, D], got shape {tuple(q.shape)}")
+        B, next_n, H, D = q.shape
+        if D != HEAD_DIM:
+            _fail(f"q_fp8 head dim must be {HEAD_DIM}, got {D}")
+        if not (1 <= H <= MAX_HEADS):
+            _fail(f"q_fp8 must have 1..{MAX_HEADS} index heads, got {H}")
+        if q.dtype in _PACKED_FP4:
+            _fp4_unsupported("q")
+        if q.dtype != _FP8:
+            _fail(f"q_fp8 must be torch.float8_e4m3fn, got {q.dtype}")
+        block_size, stride_blk = _check_paged_cache(kv_cache_fp8, D)
+        if weights.shape != (B * next_n, H):
+            _fail(f"weights must be [B * next_n = {B * next_n}, H = {H}], got {tuple(weights.shape)}")
+        if context_lens.dim() == 1:
+            if context_lens.shape[0] != B:
+                _fail(f"context_lens must be [B={B}] or [B, next_n], got "
+                      f"{tuple(context_lens.shape)}")
+            is_1d, stride_cb, stride_cj = 1, context_lens.stride(0), 0
+        else:
+            if not (context_lens.dim() == 2 and context_lens.shape == (B, next_n)):
+                _fail(f"context_lens must be [B={B}] or [B, next_n={next_n}], got "
+                      f"{tuple(context_lens.shape)}")
+            is_1d, stride_cb, stride_cj = 0, context_lens.stride(0), context_lens.stride(1)
+        if context_lens.dtype != torch.int32:
+            _fail(f"context_lens must be int32, got "
+                  f"{context_lens.dtype}")
+        if not (block_tables.dim() == 2 and block_tables.shape[0] >= B
+               and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1):
+            _fail(f"block_tables must be [B={B}, max_blocks] int32 with contiguous rows, got "
+                  f"{tuple(block_tables.shape)} {block_tables.dtype}")
+        self.copy_q = q.stride(3) != 1
+        if self.copy_q:
+            q = q.contiguous()
+        max_model_len = int(max_model_len)
+        self.shape = (B * next_n, max_model_len)
+        out_stride = max_model_len if out is None else _result(out, self.shape, q.device).stride(0)
+        self.empty = B == 0 or max_model_len == 0
+        if self.empty:
+            return
+        capability, num_sms = _device_info(q.device)
+        cfg = _with_overrides(decode_config(capability, H, next_n, B, max_model_len, num_sms), config)
+        programs = cfg.programs or cfg.per_sm * num_sms
+        self.u8 = cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32)
+        if self.u8:
+            q = q.view(torch.uint8)   # sm_80/86 Triton has no e4m3 type: pass raw bytes
+        self.grid = (programs,)
+        self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.launches = [
+            ((B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
+              q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+              stride_cb, stride_cj, block_tables.stride(0), stride_blk, out_stride), _Kept(_decode_launch))
+            for j0 in range(0, next_n, cfg.T)]
+
+    def run(self, q, kv_cache_fp8, weights, context_lens, block_tables, out):
+        if self.copy_q:
+            q = q.contiguous()
+        if kv_cache_fp8.data_ptr() % 16 != 0:  # the one checked property a plan key cannot hold
+            _fail("kv_cache must start 16-byte aligned")
+        logits = torch.empty(self.shape, dtype=torch.float32, device=q.device) if out is None else out
+        if self.empty:
+            return logits
+        if self.u8:
+            q = q.view(torch.uint8)
+        t = (q, kv_cache_fp8, weights, context_lens, block_tables, logits)
+        for ints, kept in self.launches:
+            kept(self.grid, t, t + ints, self.kw)
         return logits
-    capability, num_sms = _device_info(q.device)
-    cfg = _with_overrides(decode_config(capability, H, next_n, B, max_model_len, num_sms), _config)
-    programs = cfg.programs or cfg.per_sm * num_sms
-    t = cfg.T
-    if cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32):
-        q = q.view(torch.uint8)   # sm_80/86 Triton has no e4m3 type: pass raw bytes
-    for j0 in range(0, next_n, t):
-        _decode_launch(
-            (programs,), q, kv_cache_fp8, weights, context_lens, block_tables, logits,
-            B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
-            q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
-            stride_cb, stride_cj, block_tables.stride(0), stride_blk, logits.stride(0),
-            D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return logits
 
 
 def fp8_fp4_paged_mqa_logits(

@@ -31,7 +31,7 @@ import os
 
 import triton
 
-__all__ = ["DirectLauncher", "DIRECT_LAUNCH_ENV", "direct_launch_enabled"]
+__all__ = ["DirectLauncher", "KeptLaunch", "DIRECT_LAUNCH_ENV", "direct_launch_enabled"]
 
 DIRECT_LAUNCH_ENV = "DSA_OVERLAY_DIRECT_LAUNCH"
 _SUPPORTED_TRITON = ("3.6",)
@@ -208,3 +208,24 @@ class DirectLauncher:
                                if k not in ("num_warps", "num_stages")):
             return  # an option this mirror does not know (num_ctas, maxnreg, ...): keep the JIT path
         self._cache[key] = (kernel, tail)
+
+
+class KeptLaunch:
+    """One launch of a call-site plan (a call whose shapes, strides and dtypes fix every argument's
+    specialisation but its pointers' alignment): the launcher's entry kept from the first launch, with the
+    16-byte alignment of the launch's tensors. A later launch whose tensors align the same way runs that
+    binary (:meth:`DirectLauncher.launch_entry`); any other goes through the launcher. With a launcher that
+    keeps nothing (Triton's JIT entry) every launch goes through it."""
+
+    __slots__ = ("launcher", "entry", "align")
+
+    def __init__(self, launcher):
+        self.launcher, self.entry, self.align = launcher, None, None
+
+    def __call__(self, grid, tensors, args, kwargs):
+        align = tuple([t.data_ptr() % 16 == 0 for t in tensors])
+        if self.entry is not None and align == self.align and self.launcher.launch_entry(self.entry, grid, args):
+            return
+        self.launcher(grid, *args, **kwargs)
+        if self.entry is None and hasattr(self.launcher, "entry"):
+            self.entry, self.align = self.launcher.entry(args, kwargs), align

@@ -351,9 +351,13 @@ def _interpreting() -> bool:
 
 try:  # imported as part of the kernels package (vLLM, the GPU checks, bench/launch_census.py)
     from .launch import DirectLauncher as _Launcher
+    from .launch import KeptLaunch as _Kept
 except ImportError:  # loaded by path (interpreter tests, cross-compile workers): Triton's JIT entry
     def _Launcher(fn):
         return lambda grid, *args, **kwargs: fn[grid](*args, **kwargs)
+
+    def _Kept(launcher):
+        return lambda grid, tensors, args, kwargs: launcher(grid, *args, **kwargs)
 
 # Host launch cost: cached CompiledKernels launched past Triton's JIT entry (overlay/kernels/launch.py).
 _fwd_launch = _Launcher(_sparse_mla_fwd_kernel)
@@ -813,7 +817,7 @@ class _Plan:
         if lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32):
             raise ValueError(f"sparse_mla_attention: lse must be float32 [T, H], got {lse.dtype} {tuple(lse.shape)}")
         self.T, self.H, self.topk, self.paged = T, H, topk, paged
-        self.entries, self.aligns = [None, None, None], [None, None, None]
+        self.kept = (_Kept(_slots_launch), _Kept(_fwd_launch), _Kept(_combine_launch))
         if T == 0:
             return
         capability, sm_count = _device_info(q.device)
@@ -854,17 +858,6 @@ class _Plan:
             self.comb_ints = (H, num_splits) + out_s + lse_s
             self.comb_kw = dict(CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1)
 
-    def _launch(self, i, launcher, grid, tensors, args, kw):
-        """Launch i of this plan: its kept entry where the tensors align as when it was kept, else the
-        launcher (which keeps the entry the first time)."""
-        align = tuple([t.data_ptr() % 16 == 0 for t in tensors])
-        entry = self.entries[i]
-        if entry is not None and align == self.aligns[i] and launcher.launch_entry(entry, grid, args):
-            return
-        launcher(grid, *args, **kw)
-        if entry is None and hasattr(launcher, "entry"):
-            self.entries[i], self.aligns[i] = launcher.entry(args, kw), align
-
     def run(self, q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id):
         T, H = self.T, self.H
         if self.u8:
@@ -883,7 +876,7 @@ class _Plan:
         if self.paged:
             slots = torch.empty((T, self.topk), dtype=torch.int32, device=q.device)
             t = (indices, req_id, block_table, slots)
-            self._launch(0, _slots_launch, self.slots_grid, t, t + self.slots_ints, self.slots_kw)
+            self.kept[0](self.slots_grid, t, t + self.slots_ints, self.slots_kw)
             indices = slots
         if self.split:
             po = torch.empty((T, H, self.num_splits, KV_LORA_RANK), dtype=torch.float32, device=q.device)
@@ -891,11 +884,10 @@ class _Plan:
         else:
             po = plse = out  # unused (SPLIT=False)
         t = (q, kv, indices, out, lse, po, plse)
-        self._launch(1, _fwd_launch, self.grid, t, t + self.fwd_ints + (float(softmax_scale) * _LOG2E,),
-                     self.fwd_kw)
+        self.kept[1](self.grid, t, t + self.fwd_ints + (float(softmax_scale) * _LOG2E,), self.fwd_kw)
         if self.split:
             t = (po, plse, out, lse)
-            self._launch(2, _combine_launch, self.comb_grid, t, t + self.comb_ints, self.comb_kw)
+            self.kept[2](self.comb_grid, t, t + self.comb_ints, self.comb_kw)
         return out, lse
 
 

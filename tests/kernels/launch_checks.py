@@ -172,25 +172,27 @@ def _same_launches(a, b):
 
 
 def _fresh_module_launchers():
-    """The kernel module's launchers and plans forget what earlier tests kept (entries of another stand-in
+    """The kernel modules' launchers and plans forget what earlier tests kept (entries of another stand-in
     driver's kernels, and that driver's bound device/stream getters)."""
     SM._PLANS.clear()
-    for x in SM.LAUNCHERS:
+    IX._PAGED_PLANS.clear()
+    for x in SM.LAUNCHERS + IX.LAUNCHERS:
         x._cache.clear()
         x._driver = None
 
 
 def _unplanned(call):
     """`call` with planning and direct launch off: what Triton's JIT entry launches for it."""
-    saved = SM._PLANNING, [x.enabled for x in SM.LAUNCHERS]
-    SM._PLANNING = False
-    for x in SM.LAUNCHERS:
+    launchers = SM.LAUNCHERS + IX.LAUNCHERS
+    saved = SM._PLANNING, IX._PLANNING, [x.enabled for x in launchers]
+    SM._PLANNING = IX._PLANNING = False
+    for x in launchers:
         x.enabled = False
     try:
         return call()
     finally:
-        SM._PLANNING = saved[0]
-        for x, e in zip(SM.LAUNCHERS, saved[1]):
+        SM._PLANNING, IX._PLANNING = saved[:2]
+        for x, e in zip(launchers, saved[2]):
             x.enabled = e
 
 
@@ -260,3 +262,39 @@ def test_a_plan_checks_pointer_alignment_and_new_shapes_are_new_plans(monkeypatc
         assert fake.launches[-1][0] is other and len(fake.launches) == n + 1
         SM.sparse_mla_attention(q[:1], kv, idx[:1], 0.1)          # other shapes: another plan
         assert len(SM._PLANS) == 2
+
+
+@pytest.mark.parametrize("next_n,lens_2d", [(1, False), (2, True), (4, True)])
+def test_a_planned_repeat_paged_logits_call_launches_what_the_jit_entry_launches(monkeypatch, next_n, lens_2d):
+    """fp8_paged_mqa_logits plans like sparse_mla_attention: a repeat call launches the kept binaries (one launch
+    per group of draft tokens) with the arguments Triton's JIT entry passes for it; a cache that does not start
+    16-byte aligned is still refused on a planned call."""
+    monkeypatch.setattr(IX, "_device_info", lambda device: ((9, 0), 132))
+    g = torch.Generator().manual_seed(next_n)
+    B, H, D, bs = 3, 32, 128, 64
+    q = torch.randn(B, next_n, H, D, generator=g).to(torch.float8_e4m3fn)
+    cache = torch.randint(0, 255, (6 * bs * (D + 4) + 16,), generator=g, dtype=torch.uint8)
+    kv = cache[:6 * bs * (D + 4)].view(6, bs, 1, D + 4)
+    w = torch.randn(B * next_n, H, generator=g)
+    lens = torch.randint(1, 5 * bs, (B, next_n) if lens_2d else (B,), generator=g, dtype=torch.int32)
+    bt = torch.randint(0, 6, (B, 5), generator=g, dtype=torch.int32)
+
+    def call(kv=kv):
+        return IX.fp8_paged_mqa_logits(q, kv, w, lens, bt, None, 4 * bs * 2, False)
+
+    with fake_triton() as fake:
+        _fresh_module_launchers()
+        assert IX._PLANNING
+        call()
+        n = len(fake.launches)
+        direct = sum(x.direct_calls for x in IX.LAUNCHERS)
+        call()
+        planned = fake.launches[n:]
+        assert planned and sum(x.direct_calls for x in IX.LAUNCHERS) - direct == len(planned)
+        assert len(IX._PAGED_PLANS) == 1
+        n = len(fake.launches)
+        _unplanned(call)
+        _same_launches(planned, fake.launches[n:])
+        off = cache[1:1 + 6 * bs * (D + 4)].view(6, bs, 1, D + 4)   # same shape and strides, 1 byte off
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            call(off)
