@@ -217,9 +217,14 @@ def test_gpu_indexer_tolerance_catches_a_dropped_head():
 # Host launch cost: direct launch (overlay/kernels/launch.py) and the index conversion launch
 # ------------------------------------------------------------------------------------------------
 def _jit_and_direct(run):
-    """run() with every launcher of both modules on Triton's JIT entry, then twice through direct launch (the
-    first fills the cache): the three results."""
+    """run() with every launcher of both modules on Triton's JIT entry and no launch plans, then twice through
+    direct launch and the plans (the first plans the call and keeps its entries, the second launches them): the
+    three results."""
     mods = (SM, IX)
+    SM._PLANS.clear()
+    IX._PAGED_PLANS.clear()
+    planning = SM._PLANNING, IX._PLANNING
+    SM._PLANNING = IX._PLANNING = False
     for m in mods:
         for launcher in m.LAUNCHERS:
             assert launcher.reason is None, launcher.reason
@@ -227,6 +232,7 @@ def _jit_and_direct(run):
     try:
         via_jit = run()
     finally:
+        SM._PLANNING, IX._PLANNING = planning
         for m in mods:
             for launcher in m.LAUNCHERS:
                 launcher.enabled = True
