@@ -909,7 +909,6 @@ def _paged_key(q, kv_cache, weights, context_lens, block_tables, max_model_len, 
                context_lens.dtype, block_tables.shape, block_tables.stride(), block_tables.dtype,
                int(max_model_len), bool(clean_logits),
                None if out is None else (out.shape, out.stride(), out.dtype))
-        hash(key)
     except (AttributeError, TypeError, ValueError):  # not tensors: no plan (the checks say what is wrong)
         return None
     return key

@@ -748,7 +748,10 @@ def sparse_mla_attention(
         A row without any valid index gets out = 0 and lse = -inf (never NaN).
     """
     key = _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, _fp8_native)
-    plan = _PLANS.get(key) if key is not None else None
+    try:  # hashes the key once (a repeat call's only hash of it)
+        plan = _PLANS.get(key) if key is not None else None
+    except TypeError:  # an unhashable config: no plan
+        key, plan = None, None
     if plan is None:  # validates every argument; a repeat call with the same key reuses it
         plan = _Plan(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, _fp8_native)
         if key is not None:
@@ -784,8 +787,7 @@ def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, re
                None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device),
                None if block_table is None else (block_table.shape[1:], block_table.stride(), block_table.dtype),
                None if req_id is None else (req_id.shape, req_id.stride(), req_id.dtype))
-        hash(key)
-    except (AttributeError, TypeError, IndexError):  # not tensors, an unhashable config: no plan (the checks say)
+    except (AttributeError, TypeError, IndexError):  # not tensors: no plan (the checks say what is wrong)
         return None
     return key
 
