@@ -95,15 +95,12 @@ def set_direct(enabled: bool) -> None:
     """Switch every DirectLauncher of the kernel modules on or off (the env kill switch, per process)."""
     from overlay.kernels import indexer as IX
     from overlay.kernels import sparse_mla as SM
+    from overlay.kernels.launch import reset_plans
 
     for mod in (SM, IX):
         for launcher in mod.LAUNCHERS:
             launcher.enabled = enabled and launcher.reason is None
-    # the kill switch also turns the launch plans off (they keep direct-launch entries)
-    SM._PLANS.clear()
-    IX._PAGED_PLANS.clear()
-    SM._PLANNING = bool(SM.LAUNCHERS) and all(x.enabled for x in SM.LAUNCHERS)
-    IX._PLANNING = bool(IX.LAUNCHERS) and all(x.enabled for x in IX.LAUNCHERS)
+    reset_plans()  # the kill switch also turns the launch plans off (they keep direct-launch entries)
 
 
 def sync(cuda: bool) -> None:
@@ -217,7 +214,7 @@ def launcher_status() -> str:
 
     parts = [f"{x.fn.__name__}: {'direct launch available' if x.reason is None else 'JIT only (' + x.reason + ')'}"
              for mod in (SM, IX) for x in mod.LAUNCHERS]
-    return "; ".join(parts) or "no DirectLauncher (kernel modules loaded by path?)"
+    return "; ".join(parts)
 
 
 def report(rows, device_line: str, cpu: bool) -> str:

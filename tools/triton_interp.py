@@ -8,6 +8,7 @@ cross-compile tests, which need compiled kernels, run in a subprocess without it
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -42,10 +43,19 @@ def numpy24_fix() -> None:
 
 
 def load_interpreted(path: Path, name: str):
-    """Import the kernel file at `path` as a private module `name` with interpreted kernels."""
+    """Import the kernel file at `path` as a private module `name` with interpreted kernels. It is imported as
+    a member of a private package over its folder, so that its relative imports (``from .launch import``) load
+    their files from beside it, interpreted too."""
     numpy24_fix()
-    spec = importlib.util.spec_from_file_location(name, path)
+    path = Path(path)
+    package = f"_dsa_interp_{name}"
+    if package not in sys.modules:
+        spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+        spec.submodule_search_locations = [str(path.parent)]
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+    spec = importlib.util.spec_from_file_location(f"{package}.{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up there
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod

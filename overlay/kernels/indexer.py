@@ -44,7 +44,7 @@ among them), picked per launch by `prefill_config` / `decode_config` from the na
 `PREFILL_TUNING` / `DECODE_TUNING`, keyed by GPU family, and the shape.  No autotuning.
 Measurements behind the tables: bench/RESULTS.md.
 
-Self-contained: torch and triton only (Triton 3.5 and 3.6): `apply` drops this file into vLLM as
+Self-contained: torch, triton (3.5 and 3.6) and launch.py beside it: `apply` drops this file into vLLM as
 `vllm/_dsa_overlay/kernels/indexer.py`.  Runs on the CPU when `TRITON_INTERPRET=1` is set before
 import (`INTERPRETED`; tests).
 """
@@ -57,6 +57,10 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from .launch import DirectLauncher as _Launcher
+from .launch import KeptLaunch as _Kept
+from .launch import PlanTable
 
 __all__ = [
     "HEAD_DIM",
@@ -384,25 +388,13 @@ def _paged_mqa_logits_kernel(
 # (DOT_FP32).
 INTERPRETED = type(_mqa_logits_kernel).__name__ == "InterpretedFunction"
 
-try:  # imported as part of the kernels package (vLLM, the GPU checks, bench/launch_census.py)
-    from .launch import DirectLauncher as _Launcher
-    from .launch import KeptLaunch as _Kept
-except ImportError:  # loaded by path (interpreter tests, cross-compile workers): Triton's JIT entry
-    def _Launcher(fn):
-        return lambda grid, *args, **kwargs: fn[grid](*args, **kwargs)
-
-    def _Kept(launcher):
-        return lambda grid, tensors, args, kwargs: launcher(grid, *args, **kwargs)
-
 # Host launch cost: cached CompiledKernels launched past Triton's JIT entry (overlay/kernels/launch.py).
 _prefill_launch = _Launcher(_mqa_logits_kernel)
 _decode_launch = _Launcher(_paged_mqa_logits_kernel)
-LAUNCHERS = [x for x in (_prefill_launch, _decode_launch) if hasattr(x, "enabled")]
+LAUNCHERS = [_prefill_launch, _decode_launch]
 # fp8_paged_mqa_logits plans a call once per (shapes, strides, dtypes, devices, lengths) key, as
 # sparse_mla_attention does (see there): on where every launcher launches directly.
-_PLANNING = bool(LAUNCHERS) and all(x.enabled for x in LAUNCHERS)
-_PAGED_PLANS: dict = {}
-_PLAN_LIMIT = 4096
+_PAGED_PLANS = PlanTable(LAUNCHERS)
 
 MAX_HEADS = 128
 SUPPORTED_CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
@@ -889,19 +881,15 @@ def fp8_paged_mqa_logits(
     """
     key = _paged_key(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, max_model_len, clean_logits,
                      _config, _out)
-    plan = _PAGED_PLANS.get(key) if key is not None else None
+    plan = _PAGED_PLANS.get(key)
     if plan is None:  # checks every argument; a repeat call with the same key reuses it
-        plan = _PagedPlan(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, max_model_len,
-                          clean_logits, _config, _out)
-        if key is not None:
-            if len(_PAGED_PLANS) >= _PLAN_LIMIT:
-                _PAGED_PLANS.clear()
-            _PAGED_PLANS[key] = plan
+        plan = _PAGED_PLANS.keep(key, _PagedPlan(q_fp8, kv_cache_fp8, weights, context_lens, block_tables,
+                                                 max_model_len, clean_logits, _config, _out))
     return plan.run(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, _out)
 
 
 def _paged_key(q, kv_cache, weights, context_lens, block_tables, max_model_len, clean_logits, config, out):
-    if not _PLANNING or config is not None:
+    if not _PAGED_PLANS.on or config is not None:
         return None
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,

@@ -28,10 +28,11 @@ Self-contained: torch and triton only (dropped into vLLM beside the kernels that
 from __future__ import annotations
 
 import os
+import weakref
 
 import triton
 
-__all__ = ["DirectLauncher", "KeptLaunch", "DIRECT_LAUNCH_ENV", "direct_launch_enabled"]
+__all__ = ["DirectLauncher", "KeptLaunch", "PlanTable", "reset_plans", "DIRECT_LAUNCH_ENV", "direct_launch_enabled"]
 
 DIRECT_LAUNCH_ENV = "DSA_OVERLAY_DIRECT_LAUNCH"
 _SUPPORTED_TRITON = ("3.6",)
@@ -229,3 +230,59 @@ class KeptLaunch:
         self.launcher(grid, *args, **kwargs)
         if self.entry is None and hasattr(self.launcher, "entry"):
             self.entry, self.align = self.launcher.entry(args, kwargs), align
+
+
+class PlanTable:
+    """A call site's launch plans: what a call derives from its arguments (checks, views, config, grid,
+    strides, constexprs and one :class:`KeptLaunch` per launch), kept per key of the arguments' shapes, strides, dtypes
+    and devices, so that a repeat call allocates its outputs and launches.
+
+    ``on`` (the call site computes no key when it is off) is true where every launcher of the call site
+    launches directly: not in the interpreter, not with ``DSA_OVERLAY_DIRECT_LAUNCH=0``. It is read when the
+    table is made and by :meth:`reset` (after a launcher is switched on or off: :func:`reset_plans`).
+    Past `limit` distinct keys (mostly token counts) the table is dropped and refilled."""
+
+    __slots__ = ("launchers", "limit", "plans", "on", "__weakref__")
+
+    def __init__(self, launchers, limit: int = 4096):
+        self.launchers, self.limit, self.plans = list(launchers), limit, {}
+        self.reset()
+        _TABLES.add(self)
+
+    def reset(self) -> None:
+        """Forget every plan; planning on where every launcher launches directly."""
+        self.plans.clear()
+        self.on = bool(self.launchers) and all(getattr(x, "enabled", False) for x in self.launchers)
+
+    def get(self, key):
+        """The plan kept for `key`, or None (no key, an unhashable one, not planned yet)."""
+        if key is None:
+            return None
+        try:
+            return self.plans.get(key)
+        except TypeError:  # an unhashable part (a config object): no plan
+            return None
+
+    def keep(self, key, plan):
+        """Keep `plan` for `key` (unless there is no key or it is unhashable); returns `plan`."""
+        if key is not None:
+            if len(self.plans) >= self.limit:
+                self.plans.clear()
+            try:
+                self.plans[key] = plan
+            except TypeError:
+                pass
+        return plan
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+
+_TABLES: "weakref.WeakSet[PlanTable]" = weakref.WeakSet()
+
+
+def reset_plans() -> None:
+    """Every plan table forgets its plans and re-reads whether its launchers all launch directly (call it after
+    switching launchers on or off: the kill switch in a running process, the JIT-entry reference runs)."""
+    for table in list(_TABLES):
+        table.reset()

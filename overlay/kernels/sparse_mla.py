@@ -36,7 +36,7 @@ splits a runtime argument, so a new batch size never recompiles), picked per lau
 :func:`choose_config` from the named tuning tables below, keyed by GPU family and head bucket. No
 autotuning. Measurements behind the tables: bench/RESULTS.md.
 
-Self-contained: torch and triton only (Triton 3.5 and 3.6): ``apply`` drops this file into vLLM as
+Self-contained: torch, triton (3.5 and 3.6) and launch.py beside it: ``apply`` drops this file into vLLM as
 ``vllm/_dsa_overlay/kernels/sparse_mla.py``. Runs on every NVIDIA GPU from sm_80 on (A100, A6000/RTX 30xx
 sm_86, L40S/RTX 40xx sm_89, H100/H200 sm_90, RTX 50xx/RTX PRO 6000 sm_120), and on the CPU when
 ``TRITON_INTERPRET=1`` is set before import (``INTERPRETED``; tests).
@@ -51,6 +51,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from .launch import DirectLauncher as _Launcher
+from .launch import KeptLaunch as _Kept
+from .launch import PlanTable
 
 __all__ = [
     "SparseMLAConfig",
@@ -349,21 +353,11 @@ def _interpreting() -> bool:
     return INTERPRETED
 
 
-try:  # imported as part of the kernels package (vLLM, the GPU checks, bench/launch_census.py)
-    from .launch import DirectLauncher as _Launcher
-    from .launch import KeptLaunch as _Kept
-except ImportError:  # loaded by path (interpreter tests, cross-compile workers): Triton's JIT entry
-    def _Launcher(fn):
-        return lambda grid, *args, **kwargs: fn[grid](*args, **kwargs)
-
-    def _Kept(launcher):
-        return lambda grid, tensors, args, kwargs: launcher(grid, *args, **kwargs)
-
 # Host launch cost: cached CompiledKernels launched past Triton's JIT entry (overlay/kernels/launch.py).
 _fwd_launch = _Launcher(_sparse_mla_fwd_kernel)
 _combine_launch = _Launcher(_sparse_mla_combine_kernel)
 _slots_launch = _Launcher(_request_slots_kernel)
-LAUNCHERS = [x for x in (_fwd_launch, _combine_launch, _slots_launch) if hasattr(x, "enabled")]
+LAUNCHERS = [_fwd_launch, _combine_launch, _slots_launch]
 
 
 @dataclass(frozen=True)
@@ -748,16 +742,10 @@ def sparse_mla_attention(
         A row without any valid index gets out = 0 and lse = -inf (never NaN).
     """
     key = _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, _fp8_native)
-    try:  # hashes the key once (a repeat call's only hash of it)
-        plan = _PLANS.get(key) if key is not None else None
-    except TypeError:  # an unhashable config: no plan
-        key, plan = None, None
+    plan = _PLANS.get(key)
     if plan is None:  # validates every argument; a repeat call with the same key reuses it
-        plan = _Plan(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, _fp8_native)
-        if key is not None:
-            if len(_PLANS) >= _PLAN_LIMIT:
-                _PLANS.clear()
-            _PLANS[key] = plan
+        plan = _PLANS.keep(key, _Plan(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id,
+                                      _fp8_native))
     return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
 
 
@@ -771,14 +759,13 @@ def sparse_mla_attention(
 # pointers align the same way launches that binary without Triton's per-argument specialisation (every other
 # argument it specialises on is fixed by the plan key); any other goes through the launcher as before.
 # Planning is on where every launcher launches directly (not in the interpreter, not with
-# DSA_OVERLAY_DIRECT_LAUNCH=0); the plan is also what an unplanned call builds and runs once.
-_PLANNING = bool(LAUNCHERS) and all(x.enabled for x in LAUNCHERS)
-_PLANS: dict = {}
-_PLAN_LIMIT = 4096  # distinct keys (mostly token counts) before the table is dropped and refilled
+# DSA_OVERLAY_DIRECT_LAUNCH=0: overlay/kernels/launch.py's PlanTable); the plan is also what an unplanned call
+# builds and runs once.
+_PLANS = PlanTable(LAUNCHERS)
 
 
 def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native):
-    if not _PLANNING:
+    if not _PLANS.on:
         return None
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,

@@ -24,6 +24,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # pragma: no cover
 
 from overlay.kernels import indexer as IX  # noqa: E402
 from overlay.kernels import sparse_mla as SM  # noqa: E402
+from overlay.kernels.launch import reset_plans  # noqa: E402
 from tests.kernels import _cases as C  # noqa: E402
 from tests.kernels import _refs as R  # noqa: E402
 
@@ -221,21 +222,18 @@ def _jit_and_direct(run):
     direct launch and the plans (the first plans the call and keeps its entries, the second launches them): the
     three results."""
     mods = (SM, IX)
-    SM._PLANS.clear()
-    IX._PAGED_PLANS.clear()
-    planning = SM._PLANNING, IX._PLANNING
-    SM._PLANNING = IX._PLANNING = False
     for m in mods:
         for launcher in m.LAUNCHERS:
             assert launcher.reason is None, launcher.reason
             launcher.enabled = False
+    reset_plans()  # no launcher launches directly: no plans
     try:
         via_jit = run()
     finally:
-        SM._PLANNING, IX._PLANNING = planning
         for m in mods:
             for launcher in m.LAUNCHERS:
                 launcher.enabled = True
+        reset_plans()
     before = sum(x.direct_calls for m in mods for x in m.LAUNCHERS)
     first, second = run(), run()
     assert sum(x.direct_calls for m in mods for x in m.LAUNCHERS) > before, "no direct launch happened"

@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # pragma: no cover
 from tools.fake_triton_driver import fake_triton  # noqa: E402
 from overlay.kernels import indexer as IX  # noqa: E402
 from overlay.kernels import sparse_mla as SM  # noqa: E402
-from overlay.kernels.launch import DirectLauncher  # noqa: E402
+from overlay.kernels.launch import DirectLauncher, reset_plans  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -174,8 +174,7 @@ def _same_launches(a, b):
 def _fresh_module_launchers():
     """The kernel modules' launchers and plans forget what earlier tests kept (entries of another stand-in
     driver's kernels, and that driver's bound device/stream getters)."""
-    SM._PLANS.clear()
-    IX._PAGED_PLANS.clear()
+    reset_plans()
     for x in SM.LAUNCHERS + IX.LAUNCHERS:
         x._cache.clear()
         x._driver = None
@@ -184,16 +183,17 @@ def _fresh_module_launchers():
 def _unplanned(call):
     """`call` with planning and direct launch off: what Triton's JIT entry launches for it."""
     launchers = SM.LAUNCHERS + IX.LAUNCHERS
-    saved = SM._PLANNING, IX._PLANNING, [x.enabled for x in launchers]
-    SM._PLANNING = IX._PLANNING = False
+    saved = [x.enabled for x in launchers]
     for x in launchers:
         x.enabled = False
+    reset_plans()  # no launcher launches directly: planning off
     try:
+        assert not SM._PLANS.on and not IX._PAGED_PLANS.on
         return call()
     finally:
-        SM._PLANNING, IX._PLANNING = saved[:2]
-        for x, e in zip(launchers, saved[2]):
+        for x, e in zip(launchers, saved):
             x.enabled = e
+        reset_plans()
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["slot-ids", "request-local"])
@@ -221,7 +221,7 @@ def test_a_planned_repeat_call_launches_what_the_jit_entry_launches(monkeypatch,
 
     with fake_triton() as fake:
         _fresh_module_launchers()
-        assert SM._PLANNING
+        assert SM._PLANS.on
         call()                                   # plans; its launches go through the launchers
         assert len(SM._PLANS) == 1
         n = len(fake.launches)
@@ -260,6 +260,8 @@ def test_a_plan_checks_pointer_alignment_and_new_shapes_are_new_plans(monkeypatc
         n = len(fake.launches)
         _unplanned(lambda: SM.sparse_mla_attention(q, kv, idx, 0.1, out=out_m))
         assert fake.launches[-1][0] is other and len(fake.launches) == n + 1
+        assert len(SM._PLANS) == 0                                # switching launchers dropped the plans
+        SM.sparse_mla_attention(q, kv, idx, 0.1, out=out_a)
         SM.sparse_mla_attention(q[:1], kv, idx[:1], 0.1)          # other shapes: another plan
         assert len(SM._PLANS) == 2
 
@@ -284,7 +286,7 @@ def test_a_planned_repeat_paged_logits_call_launches_what_the_jit_entry_launches
 
     with fake_triton() as fake:
         _fresh_module_launchers()
-        assert IX._PLANNING
+        assert IX._PAGED_PLANS.on
         call()
         n = len(fake.launches)
         direct = sum(x.direct_calls for x in IX.LAUNCHERS)
