@@ -52,7 +52,8 @@ def _tensors(x):
 def _finite(x) -> bool:
     import torch
 
-    return all(bool(torch.isfinite(t).all()) for t in _tensors(x) if t.is_floating_point() and t.numel())
+    return all(bool(torch.isfinite(t).all()) for t in _tensors(x)
+               if t.is_floating_point() and t.numel() and t.element_size() > 1)  # (no isfinite for fp8)
 
 
 class Watch:
@@ -109,7 +110,7 @@ class Watch:
 
             qt = getattr(module, "qweight_type", None)
             qtype = int(qt.reshape(-1)[0]) if isinstance(qt, torch.Tensor) and qt.numel() else None
-            outs = [t for t in _tensors(output) if t.is_floating_point()]
+            outs = [t for t in _tensors(output) if t.is_floating_point() and t.element_size() > 1]
             origin = dict(module=name, cls=type(module).__name__, step=self.step, tokens=self.tokens,
                           qweight_type=qtype, in_shapes=[list(t.shape) for t in kept or []],
                           out_shapes=[list(t.shape) for t in outs],

@@ -9,6 +9,7 @@ reads config.json from the file's folder or --hf-config-path, and the tokenizer 
 
 The adapter is the same code as the in-tree hooks of vLLM 0.16-0.23: ``weights.GlmDsaNameMap`` (name map,
 kv_b rebuild, dense loads, shard order), ``config.config_dir`` and ``tokenizer.tokenizer_dir``.
+``pad_quantized_rows`` runs after the plugin's loader made the model (``_wrap_load_model``): see there.
 Nothing here imports vLLM or the plugin at module level.
 """
 from __future__ import annotations
@@ -105,9 +106,76 @@ def _wrap_create_model_config(engine_args_cls: Any) -> None:
     engine_args_cls._dsa_overlay_glm_dsa_gguf = True
 
 
+# vllm-gguf-plugin's quantized GEMM kernels (llama.cpp b2899's mmq / mmvq) read a weight row in steps of several
+# blocks, past the row's end when its length is not a multiple of that step; llama.cpp pads every quantized
+# tensor's allocation by MATRIX_ROW_PADDING = 512 elements of zeros for this. The plugin does not, so the last
+# row reads whatever follows the tensor in GPU memory: when those bytes decode to a NaN or inf block scale, that
+# output column is NaN for every token (found on the H200 with vLLM 0.26.0 and plugin 0.0.3: a Q8_0 q_b_proj
+# of 32-wide rows, NaN in column 1535 with 256-token steps, finite with 512: the allocator's neighbours differ).
+ROW_PADDING = 512   # elements, llama.cpp's MATRIX_ROW_PADDING
+_QWEIGHTS = ("qweight", "w13_qweight", "w2_qweight")   # linear and fused-MoE parameters, with a `<name>_type`
+
+
+def _quant_size(weight_type) -> tuple[int, int] | None:
+    """(elements, bytes) of one block of GGML type `weight_type`, or None (not a quantized type / unknown)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(weight_type))]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return (block, size) if block > 1 else None
+
+
+def pad_quantized_rows(model: Any) -> list[str]:
+    """Give every quantized GGUF weight whose rows are not a multiple of ROW_PADDING elements ROW_PADDING
+    elements' worth of zero bytes past its end, as llama.cpp allocates them (the parameter keeps its shape,
+    strides and attributes; its data moves to a buffer one row-padding longer). A merged weight whose shards
+    have their own types is padded for the one with most bytes per element. Returns the padded parameters' names."""
+    import torch
+
+    padded = []
+    for mod_name, mod in model.named_modules():
+        for name in _QWEIGHTS:
+            weight, wtype = getattr(mod, name, None), getattr(mod, name + "_type", None)
+            if not isinstance(weight, torch.Tensor) or wtype is None or weight.dtype != torch.uint8 \
+                    or weight.dim() < 2 or not weight.is_contiguous():
+                continue
+            types = set(getattr(wtype, "shard_weight_type", {}).values()) or {getattr(wtype, "weight_type", None)}
+            sizes = [q for q in map(_quant_size, types) if q is not None]
+            if not sizes or len(sizes) != len(types):
+                continue  # unquantized (F32 / F16 / BF16) or a type this cannot size
+            block, size = max(sizes, key=lambda q: q[1] / q[0])
+            if (weight.shape[-1] // size * block) % ROW_PADDING == 0:
+                continue  # whole row-paddings: no read past the end
+            extra = -(-ROW_PADDING // block) * size
+            buf = torch.zeros(weight.numel() + extra, dtype=weight.dtype, device=weight.device)
+            buf[:weight.numel()].copy_(weight.reshape(-1))
+            weight.data = buf[:weight.numel()].view(weight.shape)
+            padded.append(f"{mod_name}.{name}" if mod_name else name)
+    return padded
+
+
+def _wrap_load_model(loader_cls: Any) -> None:
+    if getattr(loader_cls, "_dsa_overlay_row_padding", False):
+        return
+    original = loader_cls.load_model
+
+    def load_model(self, *args, **kwargs):
+        model = original(self, *args, **kwargs)
+        pad_quantized_rows(model)
+        return model
+
+    load_model.__wrapped__ = original
+    load_model.__doc__ = original.__doc__
+    loader_cls.load_model = load_model
+    loader_cls._dsa_overlay_row_padding = True
+
+
 def register(plugins: dict) -> bool:
     """The hook after vLLM ran its general plugins: when vllm-gguf-plugin was among them, put the glm-dsa
-    adapter first in its registry and let glm-dsa files bring their own config and tokenizer. True when
+    adapter first in its registry, let glm-dsa files bring their own config and tokenizer, and pad the
+    quantized weights of every model its loader makes (pad_quantized_rows). True when
     registered; False without the plugin (GGUF then needs it: ``pip install vllm-gguf-plugin``)."""
     if PLUGIN_NAME not in plugins:
         return False
@@ -119,4 +187,10 @@ def register(plugins: dict) -> bool:
         weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaGGUFAdapter)
     from vllm.engine.arg_utils import EngineArgs
     _wrap_create_model_config(EngineArgs)
+    try:
+        from vllm_gguf_plugin.loader import GGUFModelLoader
+    except ImportError:  # a plugin release without that loader: its kernels' padding stays as it is
+        pass
+    else:
+        _wrap_load_model(GGUFModelLoader)
     return True

@@ -203,3 +203,103 @@ def test_model_sources_leave_other_models_alone(tmp_path):
     p = tmp_path / "d.gguf"
     gb.glm_dsa_file(p, arch="deepseek2")
     assert plugin.model_sources(str(p), None, None) == {}
+
+
+# ------------------------------------------------------------------------------------------ row padding
+def _storage_tail(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t`'s storage past its own last element."""
+    whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    end = (t.storage_offset() + t.numel()) * t.element_size()
+    return whole[end:]
+
+
+def _quantized(rows, cols, qtype, seed=0):
+    """Real llama.cpp blocks (gguf-py's quantizer): [rows, bytes per row] uint8 and the dequantized values."""
+    rng = np.random.default_rng(seed)
+    vals = rng.standard_normal((rows, cols)).astype(np.float32)
+    q = gguf.quants.quantize(vals, qtype)
+    return torch.from_numpy(np.ascontiguousarray(q)), gguf.quants.dequantize(q, qtype)
+
+
+class _WType(torch.nn.Parameter):
+    """Like the plugin's materialized GGUFUninitializedWeightTypeParameter: an int `weight_type` and the
+    per-shard types of a merged weight."""
+
+
+def _wtype(t, shards=None):
+    p = _WType(torch.tensor([int(t)], dtype=torch.uint8), requires_grad=False)
+    p.weight_type = int(t)
+    p.shard_weight_type = shards or {}
+    return p
+
+
+def _layer(**params):
+    m = torch.nn.Module()
+    for k, v in params.items():
+        m.register_parameter(k, v if isinstance(v, torch.nn.Parameter) else torch.nn.Parameter(v, requires_grad=False))
+    return m
+
+
+def test_quantized_weights_with_short_rows_get_llama_cpp_row_padding():
+    """A row not a multiple of 512 elements (llama.cpp's MATRIX_ROW_PADDING) gets 512 elements' worth of zero
+    bytes after the tensor, as llama.cpp allocates it; values, shape and Parameter identity stay."""
+    Q8, Q4K, BF16 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.BF16
+    q_b, q_b_vals = _quantized(48, 32, Q8)            # the H200 fixture's q_b_proj rows: one Q8_0 block
+    wide, _ = _quantized(8, 1024, Q8)                 # two whole row paddings: nothing to do
+    k4 = torch.randint(0, 256, (6, 144), dtype=torch.uint8)   # one Q4_K super-block per row (gguf-py cannot
+                                                              # make Q4_K; padding does not read the values)
+    experts, _ = _quantized(4 * 5, 96, Q8)
+    model = torch.nn.Module()
+    model.q_b_proj = _layer(qweight=q_b.clone(), qweight_type=_wtype(Q8))
+    model.wide = _layer(qweight=wide.clone(), qweight_type=_wtype(Q8))
+    model.k4 = _layer(qweight=k4.clone(), qweight_type=_wtype(Q4K))
+    model.dense = _layer(qweight=torch.zeros(4, 64, dtype=torch.uint8), qweight_type=_wtype(BF16))
+    model.experts = _layer(w13_qweight=experts.clone().view(4, 5, -1), w13_qweight_type=_wtype(Q8),
+                           w2_qweight=experts.clone().view(4, 5, -1)[:, :3].contiguous(),
+                           w2_qweight_type=_wtype(Q8))
+    model.merged = _layer(qweight=torch.cat([q_b[:4], torch.zeros(4, 34, dtype=torch.uint8)]),
+                          qweight_type=_wtype(Q8, {"q": int(Q8), "k": int(Q4K)}))
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():   # poison what follows each tensor, as the allocator may
+        if n.endswith("qweight"):
+            p.data = torch.cat([p.detach().reshape(-1), torch.full((4096,), 0xFF, dtype=torch.uint8)])[
+                :p.numel()].view(p.shape)
+    assert (_storage_tail(model.q_b_proj.qweight) == 0xFF).all()
+
+    padded = plugin.pad_quantized_rows(model)
+
+    assert sorted(padded) == ["experts.w13_qweight", "experts.w2_qweight", "k4.qweight", "merged.qweight",
+                              "q_b_proj.qweight"]
+    assert (_storage_tail(model.wide.qweight) == 0xFF).all()          # left alone
+    assert (_storage_tail(model.dense.qweight) == 0xFF).all()
+    for name, size in (("q_b_proj.qweight", 16 * 34), ("k4.qweight", 2 * 144), ("experts.w13_qweight", 16 * 34),
+                       ("merged.qweight", 16 * 34)):    # merged: its shard type with most bytes per 512 elements
+        p = model.get_parameter(name)
+        tail = _storage_tail(p)
+        assert tail.numel() == size and (tail == 0).all(), name
+    for n, (param, value) in before.items():
+        assert model.get_parameter(n) is param and torch.equal(param, value), n
+    assert np.array_equal(gguf.quants.dequantize(model.q_b_proj.qweight.numpy(), Q8), q_b_vals)
+
+
+def test_the_plugin_loaders_load_model_pads_what_it_made_and_is_wrapped_once():
+    Q8 = gguf.GGMLQuantizationType.Q8_0
+    q, _ = _quantized(4, 32, Q8)
+    model = torch.nn.Module()
+    model.a = _layer(qweight=q.clone(), qweight_type=_wtype(Q8))
+    storage = model.a.qweight.untyped_storage().data_ptr()
+
+    class Loader:
+        calls = 0
+
+        def load_model(self, vllm_config, model_config, prefix=""):
+            Loader.calls += 1
+            return model
+
+    plugin._wrap_load_model(Loader)
+    plugin._wrap_load_model(Loader)
+    assert Loader().load_model(None, None) is model and Loader.calls == 1
+    assert Loader.load_model.__wrapped__.__name__ == "load_model"
+    assert model.a.qweight.untyped_storage().data_ptr() != storage
+    tail = _storage_tail(model.a.qweight)
+    assert tail.numel() == 16 * 34 and (tail == 0).all() and torch.equal(model.a.qweight, q)

@@ -87,6 +87,7 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader import get_model_loader
 loader = get_model_loader(LoadConfig(load_format="gguf"))
 out["loader"] = type(loader).__module__ + "." + type(loader).__name__
+out["row_padding"] = getattr(type(loader), "_dsa_overlay_row_padding", False)
 adapter = loader._prepare_adapter(mc)
 out["adapter"] = type(adapter).__name__
 out["unquantized"] = sorted(adapter.load_spec.unquantized_modules)
@@ -117,6 +118,7 @@ def test_plugin_loader_streams_the_adapters_weights(site, tiny, tmp_path, tag):
     out = _probe(site, path, tiny.hf, save)
     assert out["registry"][0] == "vllm._dsa_overlay.gguf.plugin.GlmDsaGGUFAdapter", out["registry"]
     assert out["loader"] == "vllm_gguf_plugin.loader.GGUFModelLoader" and out["adapter"] == "GlmDsaGGUFAdapter"
+    assert out["row_padding"] is True   # its load_model pads the quantized weights (pad_quantized_rows)
     ea = out["engine_args"]
     assert (ea["quantization"], ea["load_format"], ea["model_weights"]) == ("gguf", "gguf", path)
     assert "gguf-configs" in ea["model"] and "gguf-tokenizers" in ea["tokenizer"], ea
