@@ -583,7 +583,7 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
         mask = _visible_mask_prefill(ks, ke, N)
         return (f"prefill M={M} N={N}",
                 lambda: upstream.prefill(q, kv, w, ks, ke)[:, :N],
-                lambda cfg: ours.fp8_mqa_logits(q, kv, w, ks, ke, False, _config=cfg),
+                lambda cfg: ours.fp8_mqa_logits(q, kv, w, ks, ke, False, _config=cfg or None),
                 rows, mask)
 
     def decode_calls(case):
@@ -597,8 +597,9 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
             cfg = dict(cfg)
             if "per_sm" in cfg:
                 cfg["programs"] = cfg.pop("per_sm") * sms
+            # the default as vLLM calls it (no _config: the launch plan; a _config call is never planned)
             return ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, None, ctx, False,
-                                             _config=cfg)
+                                             _config=cfg or None)
         return (f"decode B={B} ctx={ctx} next_n={nn}",
                 lambda: upstream.decode(q, cache, w, cl, tables, meta, ctx)[:, :ctx],
                 our_call, rows, mask)
