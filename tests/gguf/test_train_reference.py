@@ -1,0 +1,80 @@
+"""bench/train_reference.py (issue 17's trained reference) with toy dims on the CPU, in the fixture builder's venv
+(transformers' GlmMoeDsa): it learns, its split is by file and reproducible, and what it saves is the checkpoint,
+tokenizer and held-out ids that the perplexity runs read."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.train_reference import corpus, heldout  # noqa: E402
+
+
+def _corpus_dir(tmp_path: Path) -> Path:
+    """A small real corpus: this repository's own Python sources (about 1 MB), copied so the test is stable."""
+    root = tmp_path / "corpus"
+    for f in sorted((REPO / "overlay").rglob("*.py")) + sorted((REPO / "dsa_installer").rglob("*.py")):
+        dest = root / f.relative_to(REPO)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(f.read_text())
+    return root
+
+
+def test_the_split_is_by_file_and_stable(tmp_path):
+    root = _corpus_dir(tmp_path)
+    train, held, stats = corpus([root], 1 << 30)
+    again = corpus([root], 1 << 30)
+    assert (train, held) == again[:2] and held and train
+    assert stats["heldout_files"] == len(held) and stats["files"] == len(train) + len(held)
+    rels = [f"{root.name}/{p.relative_to(root)}" for p in sorted(root.rglob("*.py"))]
+    assert sum(map(heldout, rels)) == len(held)
+    assert not set(held) & set(train)
+
+
+def test_training_learns_and_saves_what_the_perplexity_runs_read(tiny, fixtures_python, tmp_path):
+    root = _corpus_dir(tmp_path)
+    out = tmp_path / "ref"
+    proc = subprocess.run([fixtures_python, str(REPO / "bench" / "train_reference.py"), "--out", str(out), "--tiny",
+                           "--corpus", str(root), "--minutes", "0.5", "--seq", "64", "--batch", "8",
+                           "--lr", "3e-3", "--warmup", "10", "--eval-every", "1000", "--eval-windows", "32"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = json.loads((out / "train_log.json").read_text())
+    vocab = log["corpus"]["tokenizer_vocab"]
+    first, last = log["curve"][0]["loss"], log["curve"][-1]["loss"]
+    assert last < first - 1.0, log["curve"]                       # it learns
+    assert log["heldout_loss"] < 0.75 * math.log(vocab), log["evals"]  # well below a uniform guess on unseen files
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "glm_moe_dsa" and cfg["topk_method"] == "noaux_tc"
+    assert cfg["indexer_rope_interleave"] is True and cfg["vocab_size"] >= vocab
+    held = np.load(out / "heldout.npy")
+    assert held.dtype == np.int32 and len(held) == log["corpus"]["heldout_tokens"] and held.max() < vocab
+    # the saved checkpoint and tokenizer reload, and reproduce the held-out loss the log reports
+    check = r"""
+import json, math, sys, numpy as np, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+out = sys.argv[1]
+m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+biases = [b.dtype for n, b in m.named_buffers() if n.endswith("e_score_correction_bias")]
+tok = AutoTokenizer.from_pretrained(out)
+ids = np.load(out + "/heldout.npy")[: 32 * 64 + 1]
+x = torch.from_numpy(ids.astype("int64"))
+with torch.no_grad():
+    rows = torch.stack([x[i * 64:(i + 1) * 64 + 1] for i in range(32) if (i + 1) * 64 < len(x)])
+    logits = m(input_ids=rows[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+print(json.dumps({"loss": float(loss), "special": tok.convert_tokens_to_ids("[gMASK]"), "n_bias": len(biases),
+                  "text": tok.decode(tok.encode("def f(x):\n    return x"))}))
+"""
+    res = subprocess.run([fixtures_python, "-c", check, str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["n_bias"] > 0 and got["text"] == "def f(x):\n    return x" and got["special"] >= vocab - 32
+    assert abs(got["loss"] - log["heldout_loss"]) < 0.05, (got, log["heldout_loss"])  # bf16 save, fp32 reload
