@@ -4,8 +4,8 @@
 A ``GlmMoeDsaForCausalLM`` (transformers) with GLM-5's attention dims (kv_lora 512 + rope 64 = the 576-wide latent,
 qk_nope 192, v_head 256, indexer 32 heads x 128, top-k 256 so it selects on 1024-token contexts), a few layers with
 a dense first layer, then MoE layers with a shared expert and noaux_tc / sigmoid routing. Corpus: the Python sources
-and docs of the running interpreter's standard library (or --corpus DIR ...), every file in either the training or
-the held-out split by a hash of its path (2%). Tokenizer: a byte-level BPE learnt on the training split
+and docs installed with the running interpreter (standard library and site-packages; or --corpus DIR ...), every
+file in either the training or the held-out split by a hash of its path (5%). Tokenizer: a byte-level BPE learnt on the training split
 (tools/glm_tokenizer.py: GLM's pre-tokenizer split and added tokens, so llama.cpp's converter makes a glm-dsa GGUF of
 the result). Training uses transformers' own forward (the indexer's top-k mask in attention; the indexer itself gets
 no gradient there, as in transformers) in bfloat16 autocast, AdamW, warm-up then cosine decay over the time budget.
@@ -37,7 +37,8 @@ if str(REPO) not in sys.path:
 from tools.glm_tokenizer import train_bpe  # noqa: E402
 
 SUFFIXES = (".py", ".rst", ".txt", ".md")
-HELDOUT_EVERY = 50          # 1 file in 50 (by path hash) is held out
+HELDOUT_EVERY = 20          # 1 file in 20 (by path hash) is held out
+MAX_FILE_BYTES = 1 << 20    # larger files are mostly generated tables
 VOCAB_TRAINED = 8192 - 32   # BPE tokens; GLM's 23 added tokens follow, the config rounds up to 8192
 
 # GLM-5's attention dims; the rest small enough to train in minutes.
@@ -62,29 +63,47 @@ def heldout(rel: str) -> bool:
 
 
 def corpus(roots: list[Path], max_bytes: int) -> tuple[list[str], list[str], dict]:
-    """(training texts, held-out texts, stats): every SUFFIXES file under `roots`, sorted by path, until
-    `max_bytes` of text; test data and caches skipped."""
-    train, held, n_bytes, files = [], [], 0, 0
+    """(training texts, held-out texts, stats): SUFFIXES files under `roots` (test folders, caches and files over
+    MAX_FILE_BYTES skipped), taken in the order of a hash of their paths (a fixed shuffle, so that a byte cap
+    samples every package instead of the first ones alphabetically) until `max_bytes` of text."""
+    found = []
     for root in roots:
-        for path in sorted(root.rglob("*")):
-            if n_bytes >= max_bytes:
-                break
-            if path.suffix not in SUFFIXES or not path.is_file() or "__pycache__" in path.parts \
-                    or "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
-                continue
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            if not text.strip():
+        for path in root.rglob("*"):
+            inner = path.relative_to(root).parts
+            if path.suffix not in SUFFIXES or "__pycache__" in inner or "test" in inner or "tests" in inner \
+                    or (root.name != "site-packages" and "site-packages" in inner):
                 continue
             rel = f"{root.name}/{path.relative_to(root)}"
-            (held if heldout(rel) else train).append(text)
-            n_bytes += len(text.encode())
-            files += 1
+            found.append((hashlib.sha1(rel.encode()).hexdigest(), rel, path))
+    train, held, n_bytes, files = [], [], 0, 0
+    for _, rel, path in sorted(found):
+        if n_bytes >= max_bytes:
+            break
+        try:
+            if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+                continue
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        (held if heldout(rel) else train).append(text)
+        n_bytes += len(text.encode())
+        files += 1
     stats = dict(roots=[str(r) for r in roots], files=files, bytes=n_bytes, train_files=len(train),
                  heldout_files=len(held))
     return train, held, stats
+
+
+def default_roots() -> list[Path]:
+    """The running interpreter's standard library and its site-packages (what is installed with the toolchain)."""
+    paths = sysconfig.get_paths()
+    roots = []
+    for key in ("stdlib", "purelib", "platlib"):
+        p = Path(paths[key])
+        if p.is_dir() and p not in roots:
+            roots.append(p)
+    return roots
 
 
 def encode(tok, texts: list[str], eos: int):
@@ -142,8 +161,9 @@ def evaluate(model, ids, seq: int, windows: int, batch: int, device, dtype) -> f
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--corpus", action="append", default=None, help="corpus root (repeatable; default: stdlib)")
-    ap.add_argument("--max-corpus-mb", type=float, default=48)
+    ap.add_argument("--corpus", action="append", default=None,
+                    help="corpus root (repeatable; default: the interpreter's stdlib and site-packages)")
+    ap.add_argument("--max-corpus-mb", type=float, default=160)
     ap.add_argument("--minutes", type=float, default=15, help="training time budget (tokenizer etc. not counted)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
@@ -163,7 +183,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dims = dict(TINY if args.tiny else REFERENCE)
-    roots = [Path(p) for p in (args.corpus or [sysconfig.get_paths()["stdlib"]])]
+    roots = [Path(p) for p in args.corpus] if args.corpus else default_roots()
     train_texts, held_texts, stats = corpus(roots, int(args.max_corpus_mb * 2**20))
     if not train_texts or not held_texts:
         raise SystemExit(f"corpus under {', '.join(map(str, roots))}: {stats['train_files']} training and "

@@ -18,10 +18,11 @@ from bench.train_reference import corpus, heldout  # noqa: E402
 
 
 def _corpus_dir(tmp_path: Path) -> Path:
-    """A small real corpus: this repository's own Python sources (about 1 MB), copied so the test is stable."""
+    """A small real corpus: this repository's own Python sources (about 2 MB), copied so the test is stable."""
     root = tmp_path / "corpus"
-    for f in sorted((REPO / "overlay").rglob("*.py")) + sorted((REPO / "dsa_installer").rglob("*.py")):
-        dest = root / f.relative_to(REPO)
+    for f in sorted(p for d in ("overlay", "dsa_installer", "bench", "tools", "tests") for p in (REPO / d).rglob("*.py")
+                    if "__pycache__" not in p.parts):
+        dest = root / "src" / f.relative_to(REPO)   # (under "src": the corpus skips folders named tests)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(f.read_text())
     return root
@@ -33,7 +34,7 @@ def test_the_split_is_by_file_and_stable(tmp_path):
     again = corpus([root], 1 << 30)
     assert (train, held) == again[:2] and held and train
     assert stats["heldout_files"] == len(held) and stats["files"] == len(train) + len(held)
-    rels = [f"{root.name}/{p.relative_to(root)}" for p in sorted(root.rglob("*.py"))]
+    rels = [f"{root.name}/{p.relative_to(root)}" for p in sorted(root.rglob("*.py")) if "tests" not in p.parts]
     assert sum(map(heldout, rels)) == len(held)
     assert not set(held) & set(train)
 
