@@ -90,20 +90,28 @@ def model_sources(model: Any, tokenizer: Any, hf_config_path: Any) -> dict[str, 
     return out
 
 
-def _wrap_create_model_config(engine_args_cls: Any) -> None:
-    if getattr(engine_args_cls, "_dsa_overlay_glm_dsa_gguf", False):
+def _wrap_method(cls: Any, name: str, flag: str, make: Any) -> None:
+    """Replace ``cls.<name>`` by ``make(original)`` once (``flag`` marks the class as done); the original stays
+    reachable as the wrapper's ``__wrapped__``."""
+    if getattr(cls, flag, False):
         return
-    original = engine_args_cls.create_model_config
+    original = getattr(cls, name)
+    wrapper = make(original)
+    wrapper.__wrapped__ = original
+    wrapper.__doc__ = original.__doc__
+    setattr(cls, name, wrapper)
+    setattr(cls, flag, True)
 
-    def create_model_config(self, *args, **kwargs):
-        for key, value in model_sources(self.model, self.tokenizer, self.hf_config_path).items():
-            setattr(self, key, value)
-        return original(self, *args, **kwargs)
 
-    create_model_config.__wrapped__ = original
-    create_model_config.__doc__ = original.__doc__
-    engine_args_cls.create_model_config = create_model_config
-    engine_args_cls._dsa_overlay_glm_dsa_gguf = True
+def _wrap_create_model_config(engine_args_cls: Any) -> None:
+    def make(original):
+        def create_model_config(self, *args, **kwargs):
+            for key, value in model_sources(self.model, self.tokenizer, self.hf_config_path).items():
+                setattr(self, key, value)
+            return original(self, *args, **kwargs)
+        return create_model_config
+
+    _wrap_method(engine_args_cls, "create_model_config", "_dsa_overlay_glm_dsa_gguf", make)
 
 
 # vllm-gguf-plugin's quantized GEMM kernels (llama.cpp b2899's mmq / mmvq) read a weight row in steps of several
@@ -157,19 +165,18 @@ def pad_quantized_rows(model: Any) -> list[str]:
 
 
 def _wrap_load_model(loader_cls: Any) -> None:
-    if getattr(loader_cls, "_dsa_overlay_row_padding", False):
-        return
-    original = loader_cls.load_model
+    """The plugin loader's ``load_model(vllm_config, model_config, prefix)`` pads a glm-dsa model's quantized
+    weights (pad_quantized_rows) once it is made; other models are left as the plugin makes them."""
+    def make(original):
+        def load_model(self, *args, **kwargs):
+            model = original(self, *args, **kwargs)
+            model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
+            if getattr(getattr(model_config, "hf_config", None), "model_type", None) == MODEL_TYPE:
+                pad_quantized_rows(model)
+            return model
+        return load_model
 
-    def load_model(self, *args, **kwargs):
-        model = original(self, *args, **kwargs)
-        pad_quantized_rows(model)
-        return model
-
-    load_model.__wrapped__ = original
-    load_model.__doc__ = original.__doc__
-    loader_cls.load_model = load_model
-    loader_cls._dsa_overlay_row_padding = True
+    _wrap_method(loader_cls, "load_model", "_dsa_overlay_row_padding", make)
 
 
 def register(plugins: dict) -> bool:

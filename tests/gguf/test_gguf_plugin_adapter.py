@@ -282,24 +282,31 @@ def test_quantized_weights_with_short_rows_get_llama_cpp_row_padding():
     assert np.array_equal(gguf.quants.dequantize(model.q_b_proj.qweight.numpy(), Q8), q_b_vals)
 
 
-def test_the_plugin_loaders_load_model_pads_what_it_made_and_is_wrapped_once():
+def test_the_plugin_loaders_load_model_pads_glm_dsa_models_only_and_is_wrapped_once():
     Q8 = gguf.GGMLQuantizationType.Q8_0
     q, _ = _quantized(4, 32, Q8)
-    model = torch.nn.Module()
-    model.a = _layer(qweight=q.clone(), qweight_type=_wtype(Q8))
-    storage = model.a.qweight.untyped_storage().data_ptr()
+    models = {}
+    for kind in ("glm_moe_dsa", "llama"):
+        models[kind] = torch.nn.Module()
+        models[kind].a = _layer(qweight=q.clone(), qweight_type=_wtype(Q8))
+    storage = {k: m.a.qweight.untyped_storage().data_ptr() for k, m in models.items()}
 
     class Loader:
         calls = 0
 
         def load_model(self, vllm_config, model_config, prefix=""):
             Loader.calls += 1
-            return model
+            return models[model_config.hf_config.model_type]
 
     plugin._wrap_load_model(Loader)
     plugin._wrap_load_model(Loader)
-    assert Loader().load_model(None, None) is model and Loader.calls == 1
+    glm = types.SimpleNamespace(hf_config=types.SimpleNamespace(model_type="glm_moe_dsa"))
+    llama = types.SimpleNamespace(hf_config=types.SimpleNamespace(model_type="llama"))
+    assert Loader().load_model(None, glm) is models["glm_moe_dsa"] and Loader.calls == 1
+    assert Loader().load_model(None, model_config=llama) is models["llama"] and Loader.calls == 2
     assert Loader.load_model.__wrapped__.__name__ == "load_model"
-    assert model.a.qweight.untyped_storage().data_ptr() != storage
-    tail = _storage_tail(model.a.qweight)
-    assert tail.numel() == 16 * 34 and (tail == 0).all() and torch.equal(model.a.qweight, q)
+    padded, other = models["glm_moe_dsa"].a.qweight, models["llama"].a.qweight
+    assert padded.untyped_storage().data_ptr() != storage["glm_moe_dsa"]
+    tail = _storage_tail(padded)
+    assert tail.numel() == 16 * 34 and (tail == 0).all() and torch.equal(padded, q)
+    assert other.untyped_storage().data_ptr() == storage["llama"] and _storage_tail(other).numel() == 0
