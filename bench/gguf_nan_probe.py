@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e.plan import MODELS  # noqa: E402
-from bench.e2e.run import make_prompts  # noqa: E402
+from bench.e2e.run import finish_worker, make_prompts, start_worker  # noqa: E402
+from bench.e2e.worker import serve  # noqa: E402
 
 MAX_ORIGINS = 12
 SAVE_LIMIT = 15 * 2**20  # bytes of tensors in one origin file (a call brings files of <= 16 MB back)
@@ -174,21 +174,6 @@ def probe(cfg: dict) -> dict:
     return res
 
 
-def child(spec_path: str) -> None:
-    try:
-        cfg = json.loads(Path(spec_path).read_text())
-        print("RESULT " + json.dumps(probe(cfg)), flush=True)
-        code = 0
-    except BaseException:  # noqa: BLE001 - the traceback is the parent's log
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # a vLLM 0.26.0 engine keeps the process alive after generate
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fixture", help="the GGUF fixture folder (fixture.json)")
@@ -198,10 +183,10 @@ def main() -> int:
     ap.add_argument("--path", default="upstream", choices=("upstream", "triton"))
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--out", default="nan_probe_out")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        child(args.child)
+    if args.worker:
+        serve(probe, args.worker)
     fx = Path(args.fixture)
     info = json.loads((fx / "fixture.json").read_text())
     out = Path(args.out)
@@ -215,21 +200,9 @@ def main() -> int:
         cfg = dict(model=str(fx / info["gguf"][args.gguf]), tokenizer=str(fx / info["hf"]), chunk=chunk,
                    compile=comp, hooks=not comp, path=path, vocab=int(info["config"]["vocab_size"]),
                    save=str(out / f"origin-{tag}.pt") if not comp else None)
-        spec = out.parent / f".probe-{tag}.json"
-        spec.write_text(json.dumps(cfg))
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, __file__, "--child", str(spec)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            text, _ = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            text, _ = proc.communicate()
-        line = [x for x in text.splitlines() if x.startswith("RESULT ")]
-        res = json.loads(line[-1][7:]) if line else {"error": text[-3000:]}
-        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        res = finish_worker(start_worker(cfg, os.environ.get("PYTHONPATH", ""), cli=Path(__file__)), t0, args.timeout)
         results[tag] = res
-        spec.unlink(missing_ok=True)
         print(f"[probe] {tag}: {json.dumps(res)[:1500]}", flush=True)
         (out / "nan_probe.json").write_text(json.dumps(results, indent=1))
         (out / "nan_probe.md").write_text(report(results))
@@ -241,7 +214,8 @@ def report(results: dict) -> str:
              "| first origin (module, class, step, tokens, quant type) | origins |", "|---|---|---|---|---|"]
     for tag, r in results.items():
         if "error" in r:
-            lines.append(f"| {tag} | error | {r['error'][-300:]!r} | | |")
+            why = (r.get("log") or r["error"]).strip().splitlines()[-1:] or [r["error"]]
+            lines.append(f"| {tag} | {r['error']} | {why[0][-300:]} | | |")
             continue
         seqs = ", ".join(f"{s['nonfinite']}/{s['len']}" for s in r["sequences"])
         o = r["origins"][0] if r.get("origins") else None

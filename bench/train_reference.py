@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
 import sysconfig
 import time

@@ -121,11 +121,12 @@ def stage_patched_copy(site: Path) -> Path:
     return dest
 
 
-def start_worker(spec: dict, pythonpath: str):
-    """The worker process, in a session of its own: its leftovers (compile workers) can be ended with it."""
+def start_worker(spec: dict, pythonpath: str, cli: Path = CLI):
+    """The worker process (`cli --worker SPEC`, which ends in worker.serve), in a session of its own: its
+    leftovers (compile workers) can be ended with it."""
     env = dict(os.environ, PYTHONPATH=pythonpath)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    return subprocess.Popen([sys.executable, str(CLI), "--worker", spec_arg(spec)], env=env,
+    return subprocess.Popen([sys.executable, str(cli), "--worker", spec_arg(spec)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

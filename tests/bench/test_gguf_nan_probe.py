@@ -70,3 +70,28 @@ def test_a_finite_model_has_no_origins():
     with torch.no_grad():
         model(input_ids=torch.tensor([0, 1, 5]))
     assert w.origins == [] and w.nonfinite_steps == [] and w.step == 1
+
+
+def test_each_config_runs_in_its_own_worker_and_a_failing_one_is_a_row(tmp_path):
+    """The driver's plumbing without vLLM: the worker (this script, --worker SPEC) fails to import vLLM, and the
+    report says so in that config's row instead of stopping."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    fx = tmp_path / "fx"
+    fx.mkdir()
+    (fx / "fixture.json").write_text(json.dumps({"gguf": {"Q8_0": "m.gguf"}, "hf": "hf",
+                                                 "config": {"vocab_size": 512}}))
+    script = Path(__file__).resolve().parents[2] / "bench" / "gguf_nan_probe.py"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "no-vllm-here")}
+    proc = subprocess.run([sys.executable, str(script), "--fixture", str(fx), "--out", str(tmp_path / "o"),
+                           "--configs", "256:off,512:on", "--timeout", "120"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "o" / "nan_probe.json").read_text())
+    assert sorted(res) == ["Q8_0-c256-eager-hooks-upstream", "Q8_0-c512-compile-upstream"]
+    assert all(r["error"] == "exit 1" and "No module named 'vllm'" in r["log"] for r in res.values())
+    md = (tmp_path / "o" / "nan_probe.md").read_text()
+    assert md.count("| exit 1 |") == 2 and "No module named 'vllm'" in md
