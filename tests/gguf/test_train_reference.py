@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.reference_ppl import nll_sum, ppl, same_prefix, windows  # noqa: E402
 from bench.train_reference import corpus, heldout  # noqa: E402
 
 
@@ -39,7 +41,9 @@ def test_the_split_is_by_file_and_stable(tmp_path):
     assert not set(held) & set(train)
 
 
-def test_training_learns_and_saves_what_the_perplexity_runs_read(tiny, fixtures_python, tmp_path):
+@pytest.fixture(scope="module")
+def trained(tiny, fixtures_python, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("train")
     root = _corpus_dir(tmp_path)
     out = tmp_path / "ref"
     proc = subprocess.run([fixtures_python, str(REPO / "bench" / "train_reference.py"), "--out", str(out), "--tiny",
@@ -47,6 +51,11 @@ def test_training_learns_and_saves_what_the_perplexity_runs_read(tiny, fixtures_
                            "--lr", "3e-3", "--warmup", "10", "--eval-every", "1000", "--eval-windows", "32"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def test_training_learns_and_saves_what_the_perplexity_runs_read(trained, fixtures_python):
+    out = trained
     log = json.loads((out / "train_log.json").read_text())
     vocab = log["corpus"]["tokenizer_vocab"]
     first, last = log["curve"][0]["loss"], log["curve"][-1]["loss"]
@@ -79,3 +88,40 @@ print(json.dumps({"loss": float(loss), "special": tok.convert_tokens_to_ids("[gM
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["n_bias"] > 0 and got["text"] == "def f(x):\n    return x" and got["special"] >= vocab - 32
     assert abs(got["loss"] - log["heldout_loss"]) < 0.05, (got, log["heldout_loss"])  # bf16 save, fp32 reload
+
+
+class _LP:
+    def __init__(self, logprob):
+        self.logprob = logprob
+
+
+def test_perplexity_from_prompt_logprobs():
+    """vLLM's prompt_logprobs: None at position 0, then a dict per position holding the actual token."""
+    toks = [5, 7, 9, 7]
+    pl = [None, {7: _LP(-0.5), 1: _LP(-2.0)}, {9: _LP(-1.0)}, {7: _LP(-1.5), 9: _LP(-0.1)}]
+    total, count = nll_sum(pl, toks)
+    assert (total, count) == (3.0, 3) and abs(ppl(total, count) - math.e) < 1e-12
+    with pytest.raises(ValueError, match="position 2 lack token 9"):
+        nll_sum([None, {7: _LP(-0.5)}, {8: _LP(-1.0)}, {7: _LP(-1.5)}], toks)
+    with pytest.raises(ValueError, match="non-finite"):
+        nll_sum([None, {7: _LP(float("nan"))}], toks[:2])
+    assert windows(np.arange(10), 4, 5) == [[0, 1, 2, 3], [4, 5, 6, 7]] and same_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_reference_ppl_scores_the_trained_model_and_reports_engines_that_fail(trained, fixtures_python, tmp_path):
+    """transformers float32 on the held-out windows (what every engine is judged against); an engine that cannot
+    start (no vLLM in that venv) is a report row, not a crash."""
+    out = tmp_path / "ppl"
+    proc = subprocess.run([fixtures_python, str(REPO / "bench" / "reference_ppl.py"), "--ref", str(trained),
+                           "--out", str(out), "--engines", "triton:auto", "--windows", "8", "--seq", "64",
+                           "--greedy", "2x6", "--timeout", "120"], capture_output=True, text=True, timeout=900,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((out / "reference_ppl.json").read_text())
+    ref, eng = data["results"]["transformers fp32"], data["results"]["triton:auto"]
+    log = json.loads((trained / "train_log.json").read_text())
+    assert ref["count"] == 8 * 63 and len(ref["greedy"]) == 2 and all(len(g) == 6 for g in ref["greedy"])
+    assert abs(ref["nll"] / ref["count"] - log["heldout_loss"]) < 0.3   # other windows, same held-out text
+    assert eng["error"] == "exit 1" and "No module named 'vllm'" in eng["log"]
+    md = (out / "reference_ppl.md").read_text()
+    assert f"| transformers fp32 | {math.exp(ref['nll'] / ref['count']):.4f} |" in md and "| triton:auto | exit 1" in md
