@@ -125,3 +125,31 @@ def test_reference_ppl_scores_the_trained_model_and_reports_engines_that_fail(tr
     assert eng["error"] == "exit 1" and "No module named 'vllm'" in eng["log"]
     md = (out / "reference_ppl.md").read_text()
     assert f"| transformers fp32 | {math.exp(ref['nll'] / ref['count']):.4f} |" in md and "| triton:auto | exit 1" in md
+
+
+def test_the_reference_converts_to_every_gguf_type_with_the_packed_tools(trained, fixtures_python, tmp_path):
+    """What the H200 session runs to make the reference's GGUFs: the converter and tools packed into a folder (no
+    network, no compiler there), then --from-hf with that folder as the cache; every file is a glm-dsa GGUF that
+    check-gguf accepts, the UD-style mix keeps attention at Q8_0."""
+    import gguf
+
+    builder = REPO / "tests" / "fixtures" / "make_glm_dsa_gguf.py"
+    packed = tmp_path / "pack"
+    proc = subprocess.run([fixtures_python, str(builder), "--pack", str(packed)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (packed / "bin-0.3.36").iterdir()) == ["llama-gguf-split", "llama-quantize"]
+    out = tmp_path / "gguf"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DSA_OVERLAY_FIXTURES": str(packed)}
+    proc = subprocess.run([fixtures_python, str(builder), "--from-hf", str(trained), "--outdir", str(out)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((out / "fixture.json").read_text())
+    assert sorted(info["gguf"]) == ["BF16", "IQ4_XS", "Q4_K_M", "Q8_0", "UD_MIX"]
+    for tag, name in info["gguf"].items():
+        check = subprocess.run([sys.executable, str(REPO / "apply.py"), "check-gguf", str(out / name)],
+                               capture_output=True, text=True, timeout=300)
+        assert check.returncode == 0, (tag, check.stdout[-2000:], check.stderr[-2000:])
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out / info["gguf"]["UD_MIX"])).tensors}
+    attn = [n for n in types if n.startswith("blk.1.attn_") and n.endswith(".weight") and "norm" not in n]
+    assert attn and all(types[n] in ("Q8_0", "F32", "BF16", "F16") for n in attn), {n: types[n] for n in attn}
