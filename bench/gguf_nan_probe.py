@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e.plan import MODELS  # noqa: E402
-from bench.e2e.run import finish_worker, make_prompts, start_worker  # noqa: E402
+from bench.e2e.run import failure_line, finish_worker, make_prompts, start_worker  # noqa: E402
 from bench.e2e.worker import serve  # noqa: E402
 
 MAX_ORIGINS = 12
@@ -214,8 +214,7 @@ def report(results: dict) -> str:
              "| first origin (module, class, step, tokens, quant type) | origins |", "|---|---|---|---|---|"]
     for tag, r in results.items():
         if "error" in r:
-            why = (r.get("log") or r["error"]).strip().splitlines()[-1:] or [r["error"]]
-            lines.append(f"| {tag} | {r['error']} | {why[0][-300:]} | | |")
+            lines.append(f"| {tag} | {r['error']} | {failure_line(r)} | | |")
             continue
         seqs = ", ".join(f"{s['nonfinite']}/{s['len']}" for s in r["sequences"])
         o = r["origins"][0] if r.get("origins") else None

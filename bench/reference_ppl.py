@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.e2e.run import finish_worker, start_worker  # noqa: E402
+from bench.e2e.run import failure_line, finish_worker, start_worker  # noqa: E402
 from bench.e2e.worker import serve  # noqa: E402
 
 
@@ -138,8 +138,7 @@ def report(results: dict, meta: dict) -> str:
              "(first divergence per prompt) | startup s |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
-            why = (r.get("log") or r["error"]).strip().splitlines()[-1:] or [r["error"]]
-            lines.append(f"| {name} | {r['error']}: {why[0][-200:]} | | | | |")
+            lines.append(f"| {name} | {failure_line(r)} | | | | |")
             continue
         p = ppl(r["nll"], r["count"])
         if ref and "greedy" in ref and name != "transformers fp32":

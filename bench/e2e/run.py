@@ -174,6 +174,12 @@ def finish_worker(proc, t0: float, timeout: float) -> dict:
     return {"error": f"exit {proc.returncode}", "log": out[-3000:], "wall_s": wall}
 
 
+def failure_line(res: dict) -> str:
+    """A failed worker's result in one line: its error and the last line of its log."""
+    last = (res.get("log") or "").strip().splitlines()[-1:]
+    return f"{res['error']}: {last[0][-300:]}" if last else res["error"]
+
+
 def memory_race(res: dict) -> bool:
     """A failure caused by a neighbouring engine (vLLM's memory profiling saw memory come or go)."""
     log = res.get("log", "")
