@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.gguf.conftest import fixtures_python, tiny  # noqa: F401 (the GGUF tests' fixtures: builder venv, tiny set)
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
