@@ -35,6 +35,10 @@ so that every token goes through `forward_mqa` in every engine (without it upstr
 longer than top-k to dense MHA by its own batch split, and the dumps see other calls). The layer-by-layer comparison of each path with a float64
 reference is bench/e2e/layerwise.py.
 
+Quality (issue 17): `--reference-ppl reference_ppl.json[,more.json]` (bench/reference_ppl.py on the trained
+reference model, run before in the same session) adds the perplexity rules of bench/e2e/quality.py to the verdict:
+the proof passes only when the noise-floor rules and those hold.
+
 No GPU: `--rejudge run.json[,later.json] --plan h200-0.23` rebuilds the report of stored runs with
 today's rules. The code: bench/e2e/ (plan, worker, run, judge, report); this file is the command line.
 """
@@ -76,6 +80,9 @@ def main():
     ap.add_argument("--rejudge", default=None, metavar="JSON",
                     help="no GPU: rebuild the report of an earlier run from its JSON (runs + dumps) "
                          "with this script's rules, e.g. after a rule change")
+    ap.add_argument("--reference-ppl", default=None, metavar="JSON[,JSON]",
+                    help="bench/reference_ppl.py's results for the trained reference model: its perplexity "
+                         "rules (bench/e2e/quality.py) join the verdict")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -95,6 +102,12 @@ def main():
         from bench.e2e.run import prove
 
         text, ok = prove(args, the_plan)
+    if args.reference_ppl:
+        from bench.e2e.quality import section
+
+        q_ok, q_text = section(args.reference_ppl.split(","))
+        text, ok = text + "\n" + q_text, ok and q_ok
+        Path(args.out).write_text(text)
     print(text)
     sys.exit(0 if ok else 1)
 

@@ -4,7 +4,10 @@
 Issue 17's quality criterion: the same held-out windows (the first --windows non-overlapping --seq-token windows
 of the reference's heldout.npy) scored by each vLLM engine from its prompt_logprobs, and by transformers in float32
 (the reference); plus greedy continuations (--greedy N x L: N prompts of the first half of a window, L tokens) compared
-token by token with the float32 reference's. One engine per process, one at a time (the e2e harness's workers).
+token by token with the float32 reference's. One engine per process, one at a time (the e2e harness's workers; never
+two of these commands side by side: ../shared/FACTS.md, and 4 of 9 engines lost that way on 2026-12-02). The report
+ends with the quality rules of bench/e2e/quality.py; `--merge A.json B.json ... --out DIR` joins the results of
+several calls (no GPU).
 
     python bench/reference_ppl.py --ref /root/ref --out $OUT \\
         [--engines upstream:auto,upstream:fp8_ds_mla,triton:auto,triton:fp8_ds_mla] [--gguf BF16=/root/ref/m-BF16.gguf]
@@ -29,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.e2e import quality  # noqa: E402
 from bench.e2e.run import failure_line, finish_worker, start_worker  # noqa: E402
 from bench.e2e.worker import serve  # noqa: E402
 
@@ -72,14 +76,18 @@ def reference_scores(ref: str, wins: list[list[int]], prompts: list[list[int]], 
             logits = model(input_ids=x).logits[0, :-1].double()
             total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
             count += len(w) - 1
-        greedy = []
+        greedy, margins = [], []
         for p in prompts:
-            x = torch.tensor([p], device=dev)
+            x, m = torch.tensor([p], device=dev), []
             for _ in range(steps):
-                nxt = model(input_ids=x).logits[0, -1].argmax()
-                x = torch.cat([x, nxt.view(1, 1)], dim=1)
+                top = torch.log_softmax(model(input_ids=x).logits[0, -1].double(), -1).topk(2)
+                m.append(round(float(top.values[0] - top.values[1]), 5))
+                x = torch.cat([x, top.indices[:1].view(1, 1)], dim=1)
             greedy.append(x[0, len(p):].tolist())
-    return dict(nll=total, count=count, greedy=greedy)
+            margins.append(m)
+    # margins: per greedy step, the float32 logprob gap between its first and second choice (a divergence where it
+    # is small is a near-tie that bf16 rounding may flip)
+    return dict(nll=total, count=count, greedy=greedy, greedy_margin=margins)
 
 
 def engine(spec: dict) -> dict:
@@ -135,7 +143,7 @@ def report(results: dict, meta: dict) -> str:
              f"{meta['windows']} windows of {meta['seq']} tokens ({meta['tokens']} predictions) from heldout.npy; greedy: "
              f"{meta['greedy']}. Delta: relative to upstream FLASHMLA_SPARSE + DeepGEMM, bf16 cache.", "",
              "| engine | perplexity | delta vs upstream bf16 | delta vs transformers fp32 | greedy tokens identical to fp32 "
-             "(first divergence per prompt) | startup s |", "|---|---|---|---|---|---|"]
+             "(first divergence per prompt@fp32's top-2 logprob gap there) | startup s |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"| {name} | {failure_line(r)} | | | | |")
@@ -145,7 +153,10 @@ def report(results: dict, meta: dict) -> str:
             firsts = [same_prefix(a, b) for a, b in zip(r["greedy"], ref["greedy"])]
             same = sum(x == y for a, b in zip(r["greedy"], ref["greedy"]) for x, y in zip(a, b))
             total = sum(len(b) for b in ref["greedy"])
-            g = f"{same}/{total} ({' '.join(map(str, firsts))})"
+            margins = ref.get("greedy_margin")
+            at = [f"{n}@{margins[i][n]:.3f}" if margins and n < len(margins[i]) else str(n)
+                  for i, n in enumerate(firsts)]
+            g = f"{same}/{total} ({' '.join(at)})"
         else:
             g = "-"
         lines.append(f"| {name} | {p:.4f} | {_delta(p, base) if name != 'upstream:auto' else '-'} | "
@@ -165,10 +176,15 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers float32 reference")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="no GPU: merge the reference_ppl.json of several calls into --out (report and verdicts)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         serve(engine, args.worker)
+    if args.merge:
+        data = quality.merge(args.merge)
+        return write_out(Path(args.out), data["meta"], data["results"])
 
     import numpy as np
     import torch
@@ -185,8 +201,7 @@ def main() -> int:
     results: dict = {}
 
     def write():
-        (out / "reference_ppl.json").write_text(json.dumps({"meta": meta, "results": results}))
-        (out / "reference_ppl.md").write_text(report(results, meta))
+        write_out(out, meta, results, quiet=True)
 
     if not args.no_reference:
         t0 = time.perf_counter()
@@ -206,7 +221,19 @@ def main() -> int:
         print(f"[ppl] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'greedy'})[:800]}",
               flush=True)
         write()
-    print(report(results, meta))
+    return write_out(out, meta, results)
+
+
+def write_out(out: Path, meta: dict, results: dict, quiet: bool = False) -> int:
+    """reference_ppl.json and .md (the engines' table, then the quality rules' verdicts) in `out`; 0 when every
+    rule holds."""
+    out.mkdir(parents=True, exist_ok=True)
+    ok, verdicts = quality.judge(results)
+    text = report(results, meta) + "\n" + verdicts
+    (out / "reference_ppl.json").write_text(json.dumps({"meta": meta, "results": results}))
+    (out / "reference_ppl.md").write_text(text)
+    if not quiet:
+        print(text)
     return 0
 
 
