@@ -131,7 +131,8 @@ def make_model(dims: dict, ids: dict, seed: int):
 
 
 def lr_at(step: int, frac: float, peak: float, warmup: int) -> float:
-    """Warm-up over `warmup` steps, then cosine from peak to peak/10 over the time budget (`frac` of it spent)."""
+    """Warm-up over `warmup` steps, then cosine from peak to peak/10 over the run (`frac` of it spent: of --steps,
+    else of the time budget)."""
     warm = min(1.0, (step + 1) / warmup)
     return peak * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
@@ -164,6 +165,8 @@ def main() -> int:
                     help="corpus root (repeatable; default: the interpreter's stdlib and site-packages)")
     ap.add_argument("--max-corpus-mb", type=float, default=160)
     ap.add_argument("--minutes", type=float, default=15, help="training time budget (tokenizer etc. not counted)")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="train exactly this many steps, the schedule over steps (reproducible; --minutes still caps)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1.5e-3)
@@ -207,10 +210,11 @@ def main() -> int:
     curve, evals = [], []
     step, tokens, t0, last_eval, window = 0, 0, time.time(), time.time(), []
     model.train()
-    while time.time() - t0 < budget:
+    while time.time() - t0 < budget and (not args.steps or step < args.steps):
         starts = rng.integers(0, len(train_ids) - args.seq - 1, size=args.batch)
         x = torch.from_numpy(np.stack([train_ids[s:s + args.seq + 1] for s in starts]).astype(np.int64)).to(device)
-        lr = lr_at(step, (time.time() - t0) / budget, args.lr, args.warmup)
+        frac = step / args.steps if args.steps else (time.time() - t0) / budget
+        lr = lr_at(step, frac, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -247,8 +251,9 @@ def main() -> int:
                          "indexer_rope_interleave": True})
     model.save_pretrained(out, safe_serialization=True)
     log = dict(recipe=dict(dims=dims, seq=args.seq, batch=args.batch, lr=args.lr, warmup=args.warmup,
-                           minutes=args.minutes, seed=args.seed, optimizer="AdamW(0.9, 0.95), wd 0.1, clip 1.0",
-                           schedule="linear warm-up, cosine to lr/10 over the time budget", precision=
+                           minutes=args.minutes, steps=args.steps or None, seed=args.seed, optimizer="AdamW(0.9, 0.95), wd 0.1, clip 1.0",
+                           schedule="linear warm-up, cosine to lr/10 over "
+                           + (f"{args.steps} steps" if args.steps else "the time budget"), precision=
                            "bfloat16 autocast, float32 weights" if device.type == "cuda" else "float32 (CPU)"),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                torch=torch.__version__, transformers=__import__("transformers").__version__,

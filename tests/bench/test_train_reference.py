@@ -43,13 +43,16 @@ def test_the_split_is_by_file_and_stable(tmp_path):
     assert not set(held) & set(train)
 
 
+STEPS = 150  # a fixed length: the schedule runs over steps, the run is reproducible (--minutes only caps it)
+
+
 @pytest.fixture(scope="module")
 def trained(tiny, fixtures_python, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("train")
     root = _corpus_dir(tmp_path)
     out = tmp_path / "ref"
     proc = subprocess.run([fixtures_python, str(REPO / "bench" / "train_reference.py"), "--out", str(out), "--tiny",
-                           "--corpus", str(root), "--minutes", "0.5", "--seq", "64", "--batch", "8",
+                           "--corpus", str(root), "--steps", str(STEPS), "--minutes", "4", "--seq", "64", "--batch", "8",
                            "--lr", "3e-3", "--warmup", "10", "--eval-every", "1000", "--eval-windows", "32"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -62,6 +65,7 @@ def test_training_learns_and_saves_what_the_perplexity_runs_read(trained, fixtur
     vocab = log["corpus"]["tokenizer_vocab"]
     first, last = log["curve"][0]["loss"], log["curve"][-1]["loss"]
     assert last < first - 1.0, log["curve"]                       # it learns
+    assert log["steps"] == log["recipe"]["steps"] == STEPS and log["curve"][-1]["lr"] < 0.2 * 3e-3  # cosine ran out
     assert log["heldout_loss"] < 0.75 * math.log(vocab), log["evals"]  # well below a uniform guess on unseen files
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "glm_moe_dsa" and cfg["topk_method"] == "noaux_tc"
@@ -123,6 +127,7 @@ def test_reference_ppl_scores_the_trained_model_and_reports_engines_that_fail(tr
     ref, eng = data["results"]["transformers fp32"], data["results"]["triton:auto"]
     log = json.loads((trained / "train_log.json").read_text())
     assert ref["count"] == 8 * 63 and len(ref["greedy"]) == 2 and all(len(g) == 6 for g in ref["greedy"])
+    assert [len(m) for m in ref["greedy_margin"]] == [6, 6] and all(x >= 0 for m in ref["greedy_margin"] for x in m)
     assert abs(ref["nll"] / ref["count"] - log["heldout_loss"]) < 0.3   # other windows, same held-out text
     assert eng["error"] == "exit 1" and "No module named 'vllm'" in eng["log"]
     md = (out / "reference_ppl.md").read_text()
