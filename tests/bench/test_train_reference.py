@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +161,49 @@ def test_the_reference_converts_to_every_gguf_type_with_the_packed_tools(trained
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out / info["gguf"]["UD_MIX"])).tensors}
     attn = [n for n in types if n.startswith("blk.1.attn_") and n.endswith(".weight") and "norm" not in n]
     assert attn and all(types[n] in ("Q8_0", "F32", "BF16", "F16") for n in attn), {n: types[n] for n in attn}
+
+
+def test_the_device_session_trains_converts_and_scores_in_one_background_job(tiny, fixtures_python, tmp_path):
+    """bench/reference_session.py as the H200 runs it, with toy dims and no vLLM: `start` returns at once, the job
+    waits for the overlay's file, converts with the packed tools, scores the checkpoint and every GGUF (engines
+    that cannot start are rows), and `poll` brings it back as one tarball."""
+    import tarfile
+
+    builder = REPO / "tests" / "fixtures" / "make_glm_dsa_gguf.py"
+    packed = tmp_path / "pack"
+    proc = subprocess.run([fixtures_python, str(builder), "--pack", str(packed)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root, work, ready, out = _corpus_dir(tmp_path), tmp_path / "r17", tmp_path / "setup.done", tmp_path / "out"
+    session = [fixtures_python, str(REPO / "bench" / "reference_session.py")]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(session + ["start", "--workdir", str(work), "--llama-tools", str(packed), "--wait-for",
+                                     str(ready), f"--train-args=--tiny --corpus {root} --steps 40 --minutes 3 "
+                                     "--seq 64 --batch 8 --eval-every 1000 --eval-windows 8",
+                                     "--ppl-args=--engines triton:auto --windows 4 --seq 64 --greedy 1x4 --timeout 120"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0 and "[session] started pid" in proc.stdout, proc.stderr[-3000:]
+    poll = session + ["poll", "--workdir", str(work), "--out", str(out)]
+    deadline = time.time() + 600
+    while "convert" not in json.loads((work / "state.json").read_text())["stages"]:
+        state = json.loads((work / "state.json").read_text())
+        assert not state["done"] and time.time() < deadline, state
+        if state["stage"].startswith("waiting for"):
+            assert subprocess.run(poll, capture_output=True, text=True, env=env).returncode == 1  # not done yet
+            ready.touch()
+        time.sleep(1)
+    proc = subprocess.run(poll + ["--wait", "900"], capture_output=True, text=True, timeout=960, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with tarfile.open(out / "reference_session.tgz") as tf:
+        names = set(tf.getnames())
+        data = json.load(tf.extractfile("ppl/reference_ppl.json"))
+        state = json.load(tf.extractfile("state.json"))
+    assert {"state.json", "train.log", "convert.log", "score.log", "ref/train_log.json", "gguf/fixture.json",
+            "ppl/reference_ppl.md"} <= names
+    assert [s["rc"] for s in state["stages"].values()] == [0, 0, 0] and list(state["stages"]) == ["train", "convert",
+                                                                                                  "score"]
+    results = data["results"]
+    assert results["transformers fp32"]["count"] == 4 * 63
+    assert sorted(results) == sorted(["transformers fp32", "triton:auto"] + [f"gguf {t}:triton" for t in
+                                                                            ("BF16", "Q8_0", "Q4_K_M", "IQ4_XS", "UD_MIX")])
+    assert all("No module named 'vllm'" in r["log"] for n, r in results.items() if n != "transformers fp32")
