@@ -779,6 +779,36 @@ def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, re
     return key
 
 
+class _Partials:
+    """Grow-only float32 scratch for the split partials (po, plse), one buffer per (device, CUDA stream), as
+    FlashMLA keeps its metadata buffer: two torch.empty calls per split launch cost ~8 us of host time on the
+    H200 and slicing views of a shared buffer nearly as much (bench/RESULTS.md), so a plan keeps its views and
+    re-slices only when the buffer it sliced was replaced (``gen``). Calls on one stream run in stream order, so
+    they may share it (the forward kernel writes every split's partial before the merge reads it); another
+    stream gets its own buffer. Never used while a CUDA graph is captured: a capture takes fresh tensors from
+    the graph's private pool, which live as long as the graph (a grown, freed buffer would not)."""
+
+    def __init__(self):
+        self.bufs: dict = {}
+        self.gen = 0
+
+    def get(self, where, numel: int, device) -> torch.Tensor:
+        buf = self.bufs.get(where)
+        if buf is None or buf.numel() < numel:
+            grow = max(numel, 2 * buf.numel()) if buf is not None else numel
+            self.bufs[where] = buf = torch.empty(grow, dtype=torch.float32, device=device)
+            self.gen += 1
+        return buf
+
+
+_PARTIALS = _Partials()
+
+
+def _current_stream(device) -> int:
+    """The raw current stream of a CUDA device (what Triton's launcher reads per launch, ~0.3 us), 0 elsewhere."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+
+
 class _Plan:
     """One call's checked arguments and derived launches (see the comment above)."""
 
@@ -807,6 +837,7 @@ class _Plan:
             raise ValueError(f"sparse_mla_attention: lse must be float32 [T, H], got {lse.dtype} {tuple(lse.shape)}")
         self.T, self.H, self.topk, self.paged = T, H, topk, paged
         self.kept = (_Kept(_slots_launch), _Kept(_fwd_launch), _Kept(_combine_launch))
+        self.partials = None  # (stream, _PARTIALS.gen, po, plse) of the workspace views last used
         if T == 0:
             return
         capability, sm_count = _device_info(q.device)
@@ -868,8 +899,7 @@ class _Plan:
             self.kept[0](self.slots_grid, t, t + self.slots_ints, self.slots_kw)
             indices = slots
         if self.split:
-            po = torch.empty((T, H, self.num_splits, KV_LORA_RANK), dtype=torch.float32, device=q.device)
-            plse = torch.empty((T, H, self.num_splits), dtype=torch.float32, device=q.device)
+            po, plse = self._partials(q.device)
         else:
             po = plse = out  # unused (SPLIT=False)
         t = (q, kv, indices, out, lse, po, plse)
@@ -878,6 +908,23 @@ class _Plan:
             t = (po, plse, out, lse)
             self.kept[2](self.comb_grid, t, t + self.comb_ints, self.comb_kw)
         return out, lse
+
+
+    def _partials(self, device):
+        """(po [T, H, S, 512], plse [T, H, S]) float32: views of the stream's workspace (see _Partials), fresh
+        tensors while a CUDA graph is being captured."""
+        T, H, S = self.T, self.H, self.num_splits
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return (torch.empty((T, H, S, KV_LORA_RANK), dtype=torch.float32, device=device),
+                    torch.empty((T, H, S), dtype=torch.float32, device=device))
+        stream = _current_stream(device)
+        kept = self.partials
+        if kept is None or kept[0] != stream or kept[1] != _PARTIALS.gen:
+            n_po = T * H * S * KV_LORA_RANK  # a multiple of 512 floats: plse stays 16-byte aligned
+            buf = _PARTIALS.get((device, stream), n_po + T * H * S, device)
+            kept = self.partials = (stream, _PARTIALS.gen, buf[:n_po].view(T, H, S, KV_LORA_RANK),
+                                    buf[n_po:n_po + T * H * S].view(T, H, S))
+        return kept[2], kept[3]
 
 
 def dequantize_fp8_ds_mla(kv_rows: torch.Tensor) -> torch.Tensor:

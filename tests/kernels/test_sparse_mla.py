@@ -210,6 +210,34 @@ def test_splits_without_any_valid_index_are_ignored(fmt):
     check_case(case, config=M.SparseMLAConfig(16, 16, 6, 4, 2))
 
 
+@pytest.mark.parametrize("fmt", M.KV_FORMATS)
+def test_split_partials_workspace_is_reused_poisoned_and_grown(fmt):
+    """The split partials live in a grow-only per-(device, stream) workspace that every split call shares: a
+    call is right whatever an earlier one left there (NaN here, empty splits included), a repeat call of the
+    same plan reuses the views, and a larger call grows the buffer (which a smaller plan then re-slices)."""
+    small = C.mla_case(21, fmt, H=4, topk=96, T=2, block_size=64, num_blocks=2, invalid_row=True)
+    small.idx[1, 16:] = -1  # token 1: splits 1.. of it empty
+    big = C.mla_case(22, fmt, H=5, topk=160, T=7, block_size=64, num_blocks=3, invalid_row=False)
+    cfg = M.SparseMLAConfig(16, 16, 6, 4, 2)
+    M._PARTIALS.bufs.clear()  # a fresh workspace (earlier tests grew it)
+    plan = M._Plan(small.q, small.cache, small.idx, fmt, None, None, cfg, None, None, None)
+    assert plan.split and plan.num_splits == 6
+    po, plse = plan._partials(small.q.device)
+    po.fill_(float("nan")), plse.fill_(float("nan"))
+    again = plan._partials(small.q.device)
+    assert again[0] is po and again[1] is plse                      # a repeat call: the kept views
+    check_case(small, config=cfg)
+    gen = M._PARTIALS.gen
+    base = po.untyped_storage().data_ptr()
+    grown = M._Plan(big.q, big.cache, big.idx, fmt, None, None, cfg, None, None, None)._partials(big.q.device)
+    assert M._PARTIALS.gen == gen + 1 and grown[0].untyped_storage().data_ptr() != base  # outgrew it
+    grown[0].fill_(float("nan")), grown[1].fill_(float("nan"))
+    check_case(big, config=cfg)
+    resliced = plan._partials(small.q.device)
+    assert resliced[0].untyped_storage().data_ptr() == grown[0].untyped_storage().data_ptr()
+    check_case(small, config=cfg)                                     # after the big one, in its buffer
+
+
 def test_strided_inputs_and_flashmla_shaped_views():
     r = random.Random(5)
     g = torch.Generator().manual_seed(5)
