@@ -20,7 +20,7 @@ PPL_TRITON_VS_UPSTREAM = 0.005
 PPL_GGUF_BF16 = 0.001
 REFERENCE = "transformers fp32"
 
-# llama.cpp's own figures for the types (tools/quantize/quantize.cpp, QUANT_OPTIONS, in the llama.cpp that
+# llama.cpp's own figures for the types (its quantize tool's quantize.cpp, QUANT_OPTIONS, in the llama.cpp that
 # llama-cpp-python 0.3.36 vendors: the one that made these files); absolute perplexity increases on other models.
 LLAMA_CPP_PUBLISHED = {
     "BF16": "-0.0050 ppl @ Mistral-7B",
