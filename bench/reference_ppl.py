@@ -225,10 +225,10 @@ def main() -> int:
 
 
 def write_out(out: Path, meta: dict, results: dict, quiet: bool = False) -> int:
-    """reference_ppl.json and .md (the engines' table, then the quality rules' verdicts) in `out`; 0 when every
-    rule holds."""
+    """reference_ppl.json and .md (the engines' table, then the quality rules' verdicts) in `out`; returns 0 (the
+    verdicts are the report's: e2e_proof.py --reference-ppl is where they decide an exit status)."""
     out.mkdir(parents=True, exist_ok=True)
-    ok, verdicts = quality.judge(results)
+    _, verdicts = quality.judge(results)
     text = report(results, meta) + "\n" + verdicts
     (out / "reference_ppl.json").write_text(json.dumps({"meta": meta, "results": results}))
     (out / "reference_ppl.md").write_text(text)

@@ -87,10 +87,8 @@ def run(args) -> int:
     if args.vllm_env:
         score = ["bash", "-c", f". {shlex.quote(args.vllm_env)} && exec \"$@\"", "score", *score]
     env = dict(os.environ)
-    if args.pythonpath:
-        env["DSA_OVERLAY_EXTRA_PYTHONPATH"] = args.pythonpath
-        score = ["bash", "-c", 'export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$DSA_OVERLAY_EXTRA_PYTHONPATH" && '
-                 'exec "$@"', "score", *score]
+    if args.pythonpath:  # --vllm-env then puts the staged vLLM in front
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), args.pythonpath) if p)
     rc = _stage(work, state, "score", score, env)
     state.update(stage="done" if rc == 0 else "score failed", done=True)
     _save(work, state)

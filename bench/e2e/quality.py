@@ -87,7 +87,7 @@ def rules(results: dict) -> list[dict]:
 
 
 def judge(results: dict) -> tuple[bool, str]:
-    """(every rule holds, a markdown section: the perplexity table and the rules' verdicts)."""
+    """(every rule holds, the rules' verdicts as a markdown table)."""
     rs = rules(results)
     ok = all(r["ok"] for r in rs)
     lines = ["| rule | engines | delta | verdict |", "|---|---|---|---|"]

@@ -909,7 +909,6 @@ class _Plan:
             self.kept[2](self.comb_grid, t, t + self.comb_ints, self.comb_kw)
         return out, lse
 
-
     def _partials(self, device):
         """(po [T, H, S, 512], plse [T, H, S]) float32: views of the stream's workspace (see _Partials), fresh
         tensors while a CUDA graph is being captured."""
