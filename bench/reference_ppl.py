@@ -14,7 +14,8 @@ several calls (no GPU).
 
 Engines: PATH:KV[:graphs], PATH upstream (FLASHMLA_SPARSE + DeepGEMM by name, overlay switch off) or triton
 (TRITON_MLA_SPARSE + the Triton indexer); KV auto (bf16) or fp8_ds_mla. --gguf TAG=FILE adds a Triton bf16 engine
-serving that file (tokenizer: --ref). The vLLM on PYTHONPATH is used as it is (apply the overlay first).
+serving that file (tokenizer: --ref). --repeats N scores every engine N times and pools the runs (their spread
+is in the report). The vLLM on PYTHONPATH is used as it is (apply the overlay first).
 Writes $OUT/reference_ppl.md and reference_ppl.json.
 """
 
@@ -33,7 +34,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.e2e import quality  # noqa: E402
-from bench.e2e.run import failure_line, finish_worker, start_worker  # noqa: E402
+from bench.e2e.run import finish_worker, start_worker  # noqa: E402
 from bench.e2e.worker import serve  # noqa: E402
 
 
@@ -121,47 +122,14 @@ def engine(spec: dict) -> dict:
     return res
 
 
-def same_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _delta(p: float, other: dict | None) -> str:
-    if not other or "error" in other:
-        return "-"
-    return f"{100 * (p / ppl(other['nll'], other['count']) - 1):+.2f}%"
+same_prefix = quality.same_prefix
 
 
 def report(results: dict, meta: dict) -> str:
-    ref = results.get("transformers fp32")
-    base = results.get("upstream:auto")
-    lines = [f"### Held-out perplexity of the reference model ({meta['device']}, {meta['how']})", "",
-             f"{meta['windows']} windows of {meta['seq']} tokens ({meta['tokens']} predictions) from heldout.npy; greedy: "
-             f"{meta['greedy']}. Delta: relative to upstream FLASHMLA_SPARSE + DeepGEMM, bf16 cache.", "",
-             "| engine | perplexity | delta vs upstream bf16 | delta vs transformers fp32 | greedy tokens identical to fp32 "
-             "(first divergence per prompt@fp32's top-2 logprob gap there) | startup s |", "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        if "error" in r:
-            lines.append(f"| {name} | {failure_line(r)} | | | | |")
-            continue
-        p = ppl(r["nll"], r["count"])
-        if ref and "greedy" in ref and name != "transformers fp32":
-            firsts = [same_prefix(a, b) for a, b in zip(r["greedy"], ref["greedy"])]
-            same = sum(x == y for a, b in zip(r["greedy"], ref["greedy"]) for x, y in zip(a, b))
-            total = sum(len(b) for b in ref["greedy"])
-            margins = ref.get("greedy_margin")
-            at = [f"{n}@{margins[i][n]:.3f}" if margins and n < len(margins[i]) else str(n)
-                  for i, n in enumerate(firsts)]
-            g = f"{same}/{total} ({' '.join(at)})"
-        else:
-            g = "-"
-        lines.append(f"| {name} | {p:.4f} | {_delta(p, base) if name != 'upstream:auto' else '-'} | "
-                     f"{_delta(p, ref) if name != 'transformers fp32' else '-'} | {g} | {r.get('startup_s', '-')} |")
-    return "\n".join(lines) + "\n"
+    """The report's head and its engines' table (bench/e2e/quality.py's, the one the e2e proof shows too)."""
+    return "\n".join([f"### Held-out perplexity of the reference model ({meta['device']}, {meta['how']})", "",
+                      f"{meta['windows']} windows of {meta['seq']} tokens ({meta['tokens']} predictions) from "
+                      f"heldout.npy; greedy: {meta['greedy']}.", "", quality.table(results)])
 
 
 def main() -> int:
@@ -174,6 +142,9 @@ def main() -> int:
     ap.add_argument("--greedy", default="8x64", help="N x L: N prompts (half a window each), L greedy tokens")
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="score every engine N times (each pass in the same order) and pool the runs: one run moves by "
+                         "up to ~0.1%% on the H200, the BF16 GGUF rule's limit (bench/e2e/quality.py)")
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers float32 reference")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--merge", nargs="+", metavar="JSON",
@@ -212,15 +183,17 @@ def main() -> int:
             for e in args.engines.split(",") if e]
     todo += [(f"gguf {tag}:triton", dict(model=f, path="triton", kv="auto", graphs=False))
              for tag, f in (g.split("=", 1) for g in args.gguf)]
-    for name, spec in todo:
-        spec.update(tokenizer=args.ref, windows=wins, prompts=prompts, steps=steps, chunk=args.chunk,
-                    max_model_len=args.seq + steps)
-        t0 = time.perf_counter()
-        results[name] = finish_worker(start_worker(spec, os.environ.get("PYTHONPATH", ""), cli=Path(__file__)),
-                                      t0, args.timeout)
-        print(f"[ppl] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'greedy'})[:800]}",
-              flush=True)
-        write()
+    for rep in range(args.repeats):
+        for name, spec in todo:
+            spec.update(tokenizer=args.ref, windows=wins, prompts=prompts, steps=steps, chunk=args.chunk,
+                        max_model_len=args.seq + steps)
+            t0 = time.perf_counter()
+            r = finish_worker(start_worker(spec, os.environ.get("PYTHONPATH", ""), cli=Path(__file__)), t0,
+                              args.timeout)
+            results[name] = quality.pool(results.get(name), r)
+            print(f"[ppl] {name} (run {rep + 1}): "
+                  f"{json.dumps({k: v for k, v in r.items() if k not in ('greedy', 'log')})[:800]}", flush=True)
+            write()
     return write_out(out, meta, results)
 
 

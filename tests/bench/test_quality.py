@@ -53,9 +53,10 @@ def test_an_engine_that_did_not_run_fails_its_rule_as_not_measured():
     assert rules["Triton vs upstream, fp8_ds_mla cache"]["ok"]
     assert not quality.judge(r)[0]
     table = quality.table(r)
-    assert "| triton:auto | not measured (exit 1) |" in table
-    # a quantized file: its increase over the BF16 GGUF (absent here) and llama.cpp's figure for the type
-    assert "| gguf Q4_K_M:triton | 22.0934 | +0.319% | +0.290% | - | +0.1754 ppl @ Llama-3-8B |" in table
+    assert "| triton:auto | not measured (exit 1: ValueError: No available memory for the cache blocks) |" in table
+    # a quantized file: one run, its increase over the BF16 GGUF (absent here) and llama.cpp's figure for the type,
+    # its greedy tokens against the reference's
+    assert "| gguf Q4_K_M:triton | 22.0934 | 1 | +0.319% | +0.290% | - | +0.1754 ppl @ Llama-3-8B | 3/3 (3) | - |" in table
 
 
 def _write(path: Path, results: dict, windows: int = 64) -> Path:
@@ -85,6 +86,45 @@ def test_merging_calls_keeps_a_measurement_over_a_later_failure(tmp_path):
     md = (out / "reference_ppl.md").read_text()
     assert "merged from a/reference_ppl.json, b/reference_ppl.json" in md and md.count("| PASS |") == 3
     assert json.loads((out / "reference_ppl.json").read_text())["results"] == merged["results"]
+
+
+def test_repeated_measurements_pool_and_the_verdicts_name_their_spread(tmp_path):
+    """Two runs of one engine pool (the perplexity of both: the geometric mean for equal windows), the table shows
+    their number and spread, the rule judges the pooled value, the verdicts name the largest spread."""
+    full = passing()
+    again = dict(full)
+    again["triton:auto"] = res(22.0296 * 1.004 * 1.0016)   # the same engine 0.16% off its first run: +0.56% alone
+    again["gguf BF16:triton"] = {"error": "timeout", "log": ""}
+    a = _write(tmp_path / "a" / "reference_ppl.json", full)
+    b = _write(tmp_path / "b" / "reference_ppl.json", {k: again[k] for k in ("triton:auto", "gguf BF16:triton")})
+    r = quality.merge([a, b])["results"]
+    t = r["triton:auto"]
+    assert len(t["runs"]) == 2 and t["count"] == 2 * COUNT
+    assert abs(quality.ppl(t) - 22.0296 * 1.004 * math.sqrt(1.0016)) < 1e-9
+    assert abs(quality.spread(t) - 0.0016) < 1e-12 and quality.spread(r["upstream:auto"]) is None
+    assert r["gguf BF16:triton"] == full["gguf BF16:triton"]           # a failed repeat does not count
+    ok, text = quality.judge(r)
+    assert "| triton:auto (2 runs) vs upstream:auto | +0.480% (limit 0.5%) | PASS |" in text, text
+    assert "Largest run-to-run spread of one engine on these windows: 0.160% (triton:auto, 2 runs)" in text
+    # the BF16 GGUF against the pooled base: 1.0009 / sqrt(1.0016) -> +0.010%
+    assert "| gguf BF16:triton vs triton:auto (2 runs) | +0.010% (limit 0.1%) | PASS |" in text, text
+    assert "| triton:auto | 22.1354 | 2 (0.160%) | +0.510% | +0.480% |" in quality.table(r)
+
+
+def test_the_stored_h200_measurements_resolve_the_bf16_rule_only_when_pooled():
+    """The H200 session of 2026-12-02 (vLLM 0.26.0, the trained reference): one run each puts the BF16 GGUF 0.110%
+    from safetensors, while upstream bf16 scored twice differs from itself by 0.110%; the three calls pooled
+    (triton:auto 3 runs, upstream:auto and the BF16 GGUF 2 each) pass every rule."""
+    stored = [REPO / "bench" / "results" / f"h200-2026-12-02-s4-reference_ppl-{n}.json"
+              for n in ("run1", "run2-repeat", "run3-repeat")]
+    one = {x["rule"]: x for x in quality.rules(quality.merge(stored[:1])["results"])}
+    assert not one["BF16 GGUF vs safetensors (Triton path)"]["ok"]
+    assert abs(one["BF16 GGUF vs safetensors (Triton path)"]["delta"] + 0.00110) < 5e-5
+    merged = quality.merge(stored)["results"]
+    assert [len(quality.runs(merged[n])) for n in ("upstream:auto", "triton:auto", "gguf BF16:triton")] == [2, 3, 2]
+    assert abs(quality.spread(merged["upstream:auto"]) - 0.00110) < 5e-5
+    ok, text = quality.judge(merged)
+    assert ok and text.count("| PASS |") == 3, text
 
 
 @pytest.mark.parametrize("broken", [None, "triton:fp8_ds_mla"])
