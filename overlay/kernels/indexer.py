@@ -480,6 +480,7 @@ class DecodeTuning:
     num_warps: int
     num_stages: int
     programs_per_sm: int
+    programs_per_sm_t2: int   # with T = 2 query tokens per program (next_n >= 2: MTP speculative decoding)
 
 
 def dot_mode_for_capability(capability) -> int:
@@ -510,13 +511,13 @@ PREFILL_TUNING: dict[str, PrefillTuning] = {
 }
 DECODE_TUNING: dict[str, DecodeTuning] = {
     "hopper": DecodeTuning(max_mma_cols=256, block_n=64, block_n_large=128, num_warps=4, num_stages=3,
-                           programs_per_sm=4),
+                           programs_per_sm=4, programs_per_sm_t2=8),
     "fp8": DecodeTuning(max_mma_cols=128, block_n=64, block_n_large=64, num_warps=4, num_stages=3,
-                        programs_per_sm=4),
+                        programs_per_sm=4, programs_per_sm_t2=4),
     "bf16": DecodeTuning(max_mma_cols=64, block_n=64, block_n_large=64, num_warps=8, num_stages=3,
-                         programs_per_sm=4),
+                         programs_per_sm=4, programs_per_sm_t2=4),
     "interp": DecodeTuning(max_mma_cols=256, block_n=64, block_n_large=64, num_warps=4, num_stages=3,
-                           programs_per_sm=4),
+                           programs_per_sm=4, programs_per_sm_t2=4),
 }
 
 
@@ -575,7 +576,8 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
     ahead = fam == "hopper" and nested and block_n == tune.block_n_large
     return DecodeConfig(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, DOT_MODE=dot_mode_for_capability(capability),
                         SCALES_AHEAD=ahead, HOIST_Q=nested, NESTED=nested, num_warps=tune.num_warps,
-                        num_stages=tune.num_stages, per_sm=tune.programs_per_sm)
+                        num_stages=tune.num_stages,
+                        per_sm=tune.programs_per_sm_t2 if t == 2 else tune.programs_per_sm)
 
 
 def launch_configs(capability) -> list[tuple[str, PrefillConfig | DecodeConfig]]:
