@@ -73,6 +73,9 @@ def test_stub_exports_every_driver_symbol_vllm_imports():
     lib = ctypes.CDLL(str(cudastub.build(symbols) / "libcuda.so.1"))
     for name in symbols:
         assert getattr(lib, name)() == cudastub.CUDA_ERROR_NO_DEVICE
+    # the stub is now loaded in this process (by path): loading libcuda.so.1 by name returns it, and it must not
+    # count as a driver (else the next real-venv test would get no stub directory)
+    assert ctypes.CDLL("libcuda.so.1")._handle == lib._handle and not cudastub.have_driver()
 
 
 def test_stub_symbols_agree_with_binutils():
@@ -85,6 +88,36 @@ def test_stub_symbols_agree_with_binutils():
     out = subprocess.run(["nm", "-D", "--undefined-only", *libs], capture_output=True, text=True, check=True).stdout
     names = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip().startswith("U ")}
     assert cudastub.driver_symbols(site) == sorted(n for n in names if cudastub._DRIVER_SYMBOL.fullmatch(n.encode()))
+
+
+def test_cpu_torch_gets_torch_cuda_stubs_that_abort_by_name():
+    """vLLM 0.27.0's venv holds torch's CPU build (no libtorch_cuda.so): the stub directory adds libtorch_cuda.so
+    and libc10_cuda.so exporting exactly the torch-CUDA names vLLM's libraries import and that torch lacks
+    (checked against binutils' nm), each aborting with its name when called; a CUDA torch (0.26.0) gets none."""
+    _, site = vllm_envs.require("0.27.0")
+    _, cuda_site = vllm_envs.require("0.26.0")
+    assert cudastub.torch_cuda_symbols(cuda_site) == []
+    symbols = cudastub.torch_cuda_symbols(site)
+    assert "_ZN3c104cuda20getCurrentCUDAStreamEa" in symbols and "aoti_torch_get_current_cuda_stream" in symbols
+    if shutil.which("nm"):
+        vllm_libs = [str(p) for p in cudastub.libraries(site) if "torch" not in Path(p).parts]
+        out = subprocess.run(["nm", "-D", "--undefined-only", *vllm_libs], capture_output=True, text=True,
+                             check=True).stdout
+        imported = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip().startswith("U ")}
+        torch_libs = [str(p) for p in site.glob("torch/lib/*.so*")]
+        out = subprocess.run(["nm", "-D", "--defined-only", *torch_libs], capture_output=True, text=True).stdout
+        defined = {line.split()[-1].split("@")[0] for line in out.splitlines() if len(line.split()) == 3}
+        assert set(symbols) <= imported and not set(symbols) & defined
+        assert {"cublasGemmEx", "_ZNK3c104cuda10CUDAStream6streamEv"} <= set(symbols)
+    stub = cudastub.stub_dir_for(site)
+    assert {p.name for p in stub.iterdir()} >= {"libcuda.so.1", *cudastub.TORCH_CUDA_LIBS}
+    out = subprocess.run(["nm", "-D", "--defined-only", str(stub / "libtorch_cuda.so")], capture_output=True,
+                         text=True, check=True).stdout if shutil.which("nm") else None
+    if out is not None:
+        assert set(symbols) <= {line.split()[-1] for line in out.splitlines()}
+    call = f"import ctypes; ctypes.CDLL({str(stub / 'libtorch_cuda.so')!r}).aoti_torch_get_current_cuda_stream()"
+    proc = subprocess.run([sys.executable, "-c", call], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -6 and "aoti_torch_get_current_cuda_stream called" in proc.stderr, proc
 
 
 def test_verify_reports_each_module_and_fails_on_import_errors(family_tree, capsys):
