@@ -1,5 +1,5 @@
-"""vLLM 0.26.0 patched on CPU (a hard-linked copy of the real venv, tests/vllm_envs.py): the patch set's
-hooks import and reach the overlay, and TRITON_MLA_SPARSE runs on 0.26's sparse bases
+"""vLLM 0.26.0 and 0.27.0 patched on CPU (hard-linked copies of the real venvs, tests/vllm_envs.py): the patch
+set's hooks import and reach the overlay, and TRITON_MLA_SPARSE runs on the 0.26 family's sparse bases
 (`SparseMLACommonMetadataBuilder` / `SparseMLACommonImpl`) through the REAL builder and impl, kernels in
 the Triton interpreter, against a dense float64 reference that never reads the paged cache.
 
@@ -7,7 +7,13 @@ the Triton interpreter, against a dense float64 reference that never reads the p
 `prefill_max_seq_len <= topk_tokens` and a dense prefill backend exists, the prefills to dense MHA;
 otherwise every token to `forward_mqa`. The tests build the metadata with the real builder and feed
 `forward_mqa` exactly those slices; a stand-in prefill backend receives the dense-MHA prefill metadata
-the shared builder makes (the dense-MHA prefill itself is upstream's CUDA code: GPU only).
+the shared builder makes (the dense-MHA prefill itself is upstream's CUDA code: GPU only). 0.27.0 adds a masked-MHA
+prefill to the same bases for sm_100 with FlashAttention 4 only (`_is_masked_mha_available`); elsewhere its split is
+0.26's.
+
+The 0.27.0 venv holds torch 2.13.0's CPU build (the wheel this machine serves; .ci/run), without the
+libtorch_cuda.so / libc10_cuda.so vLLM's CUDA extensions link against: the stub directory (dsa_installer/cudastub.py)
+supplies both there, so `vllm.platforms.cuda` imports as with a CUDA torch.
 """
 
 import pytest
@@ -15,19 +21,18 @@ import pytest
 from tests import vllm_envs
 from tests.backend.test_dsa_integration import run_json
 
-VERSION = "0.26.0"
+VERSIONS = ("0.26.0", "0.27.0")
 
 
-@pytest.fixture(scope="module")
-def staged(tmp_path_factory):
-    return vllm_envs.patched_site(VERSION, tmp_path_factory.mktemp("vllm026"))
+@pytest.fixture(scope="module", params=VERSIONS)
+def staged(request, tmp_path_factory):
+    return vllm_envs.patched_site(request.param, tmp_path_factory.mktemp(f"vllm{request.param}"))
 
 
-def test_hooks_reach_the_overlay(staged):
-    """Registry entry, selection hook, indexer hooks and the fused indexer-q gate, in the patched 0.26.0."""
+def test_hooks_reach_the_overlay(staged, request):
+    """Registry entry, selection hook, indexer hooks and the fused indexer-q gate, in the patched release."""
     out = run_json(staged, """
 import inspect
-import vllm.platforms.cuda as cuda
 import vllm.model_executor.layers.sparse_attn_indexer as sai
 import vllm.model_executor.models.deepseek_v2 as dsv2
 import vllm.v1.attention.backends.mla.indexer as mix
@@ -35,6 +40,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl, SparseMLACommonMetadataBuilder)
 from vllm._dsa_overlay import triton_mla_sparse as tms, indexer_ops as ix
+import vllm.platforms.cuda as cuda
 B = E["TRITON_MLA_SPARSE"].get_class()
 print(json.dumps({
     "backend": B.get_name(), "shared": tms.SHARED_SPARSE_BASES,
@@ -42,11 +48,14 @@ print(json.dumps({
     "builder_base": issubclass(B.get_builder_cls(), SparseMLACommonMetadataBuilder),
     "ix": sai._dsa_ix.__name__,
     "select_hook": "_dsa_selection.vllm_select" in inspect.getsource(cuda.CudaPlatformBase.get_attn_backend_cls),
+    "cpu_torch": torch.__version__.endswith("+cpu"),
     "meta_hook": "_dsa_ix.fill_paged_mqa_logits_metadata" in inspect.getsource(mix),
     "gate_hook": "_dsa_ix.fused_q_quant_supported()" in inspect.getsource(dsv2.Indexer.__init__),
     "gate": [ix.triton_fp8_store_supported(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))],
 }))
 """)
+    # 0.27.0 on torch's CPU build: the stub libtorch_cuda.so made vllm.platforms.cuda importable above
+    assert out.pop("cpu_torch") == (request.node.callspec.params["staged"] == "0.27.0")
     assert out == {"backend": "TRITON_MLA_SPARSE", "shared": True, "impl_base": True, "builder_base": True,
                    "ix": "vllm._dsa_overlay.indexer_ops", "select_hook": True, "meta_hook": True,
                    "gate_hook": True, "gate": [False, False, True, True, True]}
@@ -65,6 +74,11 @@ for _name in ("empty", "zeros"):
     def _unpinned(*a, _f=getattr(torch, _name), pin_memory=False, **kw):
         return _f(*a, **kw)
     setattr(torch, _name, _unpinned)
+
+# 0.27's impl reads the tensor-parallel size (an engine initialises that group; one process here: TP 1).
+import vllm.model_executor.layers.attention.sparse_mla_attention as _sma
+if hasattr(_sma, "get_tensor_model_parallel_world_size"):
+    _sma.get_tensor_model_parallel_world_size = lambda: 1
 
 assert type(K._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
 assert tms.SHARED_SPARSE_BASES
@@ -85,10 +99,12 @@ def vllm_config(prefill_backend):
                                v_head_dim=256, q_lora_rank=None)
     return types.SimpleNamespace(
         model_config=types.SimpleNamespace(hf_config=hf, hf_text_config=hf, dtype=torch.bfloat16,
-                                           max_model_len=320),
+                                           max_model_len=320,
+                                           model_arch_config=types.SimpleNamespace(total_num_attention_heads=H)),
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=8),
-        cache_config=types.SimpleNamespace(block_size=BS),
+        cache_config=types.SimpleNamespace(block_size=BS, cache_dtype="auto"),
         speculative_config=None,
+        attention_config=types.SimpleNamespace(sparse_mla_force_mqa=False),   # 0.27: dense MHA unless forced off
         parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
                                               cp_kv_cache_interleave_size=1),
         compilation_config=types.SimpleNamespace(
@@ -136,7 +152,8 @@ def run(seed, reqs, kv_format, layer):
     pm = md.prefill
     prefill = None if pm is None else dict(
         prepared=prefill_backend.prepared == [pm], qsl=pm.query_start_loc.tolist(), max_q=pm.max_query_len,
-        rows=pm.block_table.shape[0], context=pm.chunked_context is not None)
+        rows=pm.block_table.shape[0], context=pm.chunked_context is not None,
+        dense=getattr(pm, "use_dense_mha", None))   # 0.27+: the builder's own dense-MHA decision
     out_all, _ = im.forward_mqa((q[..., :512], q[..., 512:]), cache, md, None)
     n = md.num_decode_tokens
     out_dec, _ = im.forward_mqa((q[:n, :, :512], q[:n, :, 512:]), cache, md, None)
@@ -169,7 +186,7 @@ print(json.dumps(results))
 
 
 def test_backend_on_026_bases_vs_dense_reference(staged):
-    """Real 0.26 builder + impl, bf16 and fp8_ds_mla caches, layers with and without an indexer
+    """Real 0.26-family builder + impl (0.26.0, 0.27.0), bf16 and fp8_ds_mla caches, layers with and without an indexer
     (GLM-5.2 reads the shared top-k buffer), a long mixed batch (all MQA) and a short prefill (MHA-eligible):
     every MQA token equals dense sparse attention over its own top-k, decode slices included."""
     out = run_json(staged, BACKEND)
@@ -182,9 +199,11 @@ def test_backend_on_026_bases_vs_dense_reference(staged):
             assert r["shape"] == [62, 3, 512] and r["num_prefills"] == 2, (key, r)
             assert r["prefill_max_seq_len"] == 140 and not r["mha"], (key, r)
             assert r["req_ids"] == [0, 1] + [2] * 40 + [3] * 20, (key, r)
+            assert r["prefill"].pop("dense") in (None, False), (key, r)
             assert r["prefill"] == dict(prepared=True, qsl=[0, 40, 60], max_q=40, rows=2, context=True), (key, r)
         else:
             assert r["shape"] == [32, 3, 512] and r["num_prefills"] == 1, (key, r)
             assert r["prefill_max_seq_len"] == 30 and r["mha"], (key, r)
             assert r["req_ids"] == [0, 1] + [2] * 30, (key, r)
+            assert r["prefill"].pop("dense") in (None, True), (key, r)
             assert r["prefill"] == dict(prepared=True, qsl=[0, 30], max_q=30, rows=1, context=False), (key, r)

@@ -257,7 +257,7 @@ OLD_BASES = [v for v in manifest.VENV_RELEASES if _release(v) < (0, 26, 0)]
 @pytest.mark.parametrize("version", OLD_BASES)
 def test_builder_and_impl_with_standin_kernel(version, tmp_path_factory):
     """0.16-0.25 (SparseMLAAttentionImpl bases; the builder does the whole step itself). 0.26's shared
-    builder and impl: tests/backend/test_vllm_026.py."""
+    builder and impl: tests/backend/test_vllm_026_family.py."""
     r = part(run_probe(version, tmp_path_factory), "builder_impl")
     assert r["req_ids"] == [0, 1, 1, 1] and r["tail"] == 0
     assert r["shape"] == [4, 5, 512] and r["lse"] is None
