@@ -332,6 +332,15 @@ def main():
         def ours(cfg):
             return lambda: SM.sparse_mla_attention(q, cache, idx, scale, fmt, out=out, lse=lse, config=cfg)
 
+        # As the TRITON_MLA_SPARSE backend calls it: q as vLLM's (q_nope, q_pe) pair of views, request-local
+        # positions through a block table (one request whose table maps position p to slot p: the same rows)
+        table = torch.arange(NUM_SLOTS // BLOCK_SIZE, dtype=torch.int32, device=DEVICE).view(1, -1)
+        req = torch.zeros(T, dtype=torch.int32, device=DEVICE)
+
+        def backend_call(cfg):
+            return lambda: SM.sparse_mla_attention((q[..., :512], q[..., 512:]), cache, idx, scale, fmt, out=out,
+                                                   lse=lse, config=cfg, block_table=table, req_id=req)
+
         heur = SM.choose_config(T, H, topk, fmt, sm_count=sm_count, capability=cap)
         if child:  # the mma.sync build: our heuristic's time only
             try:
@@ -376,6 +385,13 @@ def main():
 
         h_t, h_err, h_note = measure(heur, full=True)
         results = [(heur, h_t, h_err, h_note)]
+        try:
+            out.fill_(float("nan"))
+            backend_call(heur)()
+            b_err, b_t = rel_err(out[:nref], ref_o), timer.measure(backend_call(heur), reps, eager=True, launch=True)
+            b_note = b_t.note
+        except Exception as e:  # noqa: BLE001
+            b_t, b_err, b_note = Timing(), float("nan"), f"ERROR {type(e).__name__}: {str(e)[:100]}"
         if (args.sweep == "full" or args.focus) and time.time() - t_start < args.budget_s:
             cands = (focus_configs(fmt, T, H, topk, sm_count, heur, prefill) if args.focus
                      else sweep_configs(fmt, T, H, topk, sm_count, heur, prefill))
@@ -437,6 +453,8 @@ def main():
                              f"{err_or_note} | {verdict(us) if impl.startswith('ours') else '-'} |")
 
         row("ours (heuristic)", str(heur), h_t, mma.get(label), err_cell(h_err, h_note))
+        row("ours (heuristic, backend call: q pair, request-local indices)", str(heur), b_t, None,
+            err_cell(b_err, b_note))
         if best is not None:
             row("ours (best of sweep)", str(best[0]), best[1], None, err_cell(best[2], ""))
         row("FlashMLA", (f"{'decode fp8' if fmt != 'bf16' else 'sparse_fwd'} (heads padded to "

@@ -158,6 +158,11 @@ def make_cases(device: str, small: bool):
         cases.append(("backend forward (ops.sparse_mla_forward)", f"T={T} H=64",
                       lambda qp=q_pair, local=local, req_id=req_id, bt=block_table:
                       ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16")))
+        # 16 heads per GPU: DeepSeek-V3.2 (128 heads) at tensor parallel 8, GLM-5 (64) at 4
+        q16 = (q_pair[0][:, :16].clone(), q_pair[1][:, :16].clone())
+        cases.append(("backend forward (ops.sparse_mla_forward)", f"T={T} H=16",
+                      lambda qp=q16, local=local, req_id=req_id, bt=block_table:
+                      ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16")))
         # before the block-table lookup moved into the kernel: torch converts the indices, then the kernel
         cases.append(("backend forward, indices converted by torch (before)", f"T={T} H=64",
                       lambda qp=q_pair, local=local, req_id=req_id, bt=block_table:

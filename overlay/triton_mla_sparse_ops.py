@@ -13,9 +13,9 @@ impl); everything here is what they call, unit-tested from a checkout:
 * `kv_slots`: checks the per-layer paged cache ([num_blocks, block_size, 576] bf16 or 656 bytes
   fp8_ds_mla) and hands it to the kernel without copying (slot s = block s // bs, offset s % bs).
 * `sparse_mla_forward`: one kernel call for the whole batch (prefill, chunked prefill and decode
-  tokens alike: each query token carries its own top-k of cached slots); the kernel module converts
-  the request-local top-k itself (one small launch), so a layer costs the host the q concat, the
-  launches and their allocations (bench/launch_census.py).
+  tokens alike: each query token carries its own top-k of cached slots); the kernel reads vLLM's
+  (ql_nope, q_pe) pair in place and converts the request-local top-k as it reads it, so a layer costs
+  the host one launch (two with a split top-k) and the output allocations (bench/launch_census.py).
 """
 
 from __future__ import annotations
@@ -120,16 +120,17 @@ def sparse_mla_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA for a batch of query tokens: (out [T, H, 512] bf16, lse [T, H] fp32).
 
-    `attention` defaults to the Triton kernel `sparse_mla_attention`, which converts the request-local
-    indices itself in one small launch (its block_table / req_id arguments) instead of ~24 torch ops;
-    tests pass a reference, which gets global slot ids from `convert_req_index_to_global`.
+    `attention` defaults to the Triton kernel `sparse_mla_attention`, which reads the (ql_nope, q_pe) pair in
+    place and converts each request-local index as it reads it (its block_table / req_id arguments): one
+    launch, no concatenation, no slot tensor. Tests pass a reference, which gets the concatenated q and global
+    slot ids from `convert_req_index_to_global`.
     """
-    q = concat_q(q)
-    num_tokens = q.shape[0]
     kv = kv_slots(kv_cache, kv_format)
     if attention is None and kv.shape[1] == block_size:
-        return _kernel()(q, kv, local_indices, softmax_scale, kv_format=kv_format,
-                         block_table=block_table, req_id=req_id)
+        return _kernel()(q if isinstance(q, tuple) else q.contiguous(), kv, local_indices, softmax_scale,
+                         kv_format=kv_format, block_table=block_table, req_id=req_id)
+    q = concat_q(q)
+    num_tokens = q.shape[0]
     slots = convert_req_index_to_global(
         req_id[:num_tokens], block_table, local_indices[:num_tokens], block_size
     )

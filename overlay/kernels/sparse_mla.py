@@ -21,7 +21,11 @@ How the kernels work: one program per (token, group of BLOCK_H heads, split of t
 the M dimension of ``tl.dot`` (padded to BLOCK_H >= 16 with masks, never by the caller), BLOCK_N gathered
 KV rows are N (for Q.K^T) and K (for P.V); the 512-wide nope part is handled as four 128-wide tiles, which
 is also the fp8 quantisation tile, so dequantisation (uint8 -> float8e4nv -> x per-row tile scale) happens
-in registers right after the gather (sm_80/86, which have no e4m3 type, decode the bits by hand). Online
+in registers right after the gather (sm_80/86, which have no e4m3 type, decode the bits by hand). q is read
+where vLLM leaves it (one [T, H, 576] tensor, or the (q_nope, q_pe) pair: two pointers, never concatenated).
+Request-local top-k positions (the indexer's output, with block_table / req_id) become cache rows inside the
+loop (PAGED: one block-table gather per BLOCK_N rows) for tiles of up to 32 heads; the 64-head tiles, at the
+register limit, convert them in one small launch first (INLINE_PAGED_MAX_BLOCK_H). Online
 softmax runs in fp32 with exp2. With ``num_splits > 1`` every split writes a normalised fp32 partial
 output and its lse, and a second small kernel merges the splits by lse (one pass with an online max; one
 program per row over all 512 columns, the split reduction inside each thread, up to 16 splits; 32 splits
@@ -149,20 +153,26 @@ def _pv_tile(acc, alpha, p, v, scale, POST: tl.constexpr, DOT_DTYPE: tl.constexp
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    q_ptr, kv_ptr, idx_ptr,
+    q_ptr, qr_ptr,               # nope queries [T, H, 512..]; rope queries at qr_ptr + rope_off (q itself or q_pe)
+    kv_ptr, idx_ptr,
+    req_ptr, bt_ptr,             # PAGED: request row per token [>= T], block table [num_reqs, max_blocks]
     out_ptr, lse_ptr,            # final outputs (SPLIT=False)
     po_ptr, plse_ptr,            # fp32 partials [T, H, S, 512] / [T, H, S] contiguous (SPLIT=True)
-    H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
-    stride_qt, stride_qh,
+    H, topk, num_slots, block_size, split_len, num_head_groups, num_splits, max_blocks,
+    stride_qt, stride_qh, stride_rt, stride_rh, rope_off,
     stride_kvb, stride_kvt,
-    stride_it,
+    stride_it, stride_btr,
     stride_ot, stride_oh, stride_lt, stride_lh,
     sm_scale_log2,
     IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
+    PAGED: tl.constexpr = False,
 ):
     # program -> (token, split, value half, head group), head group fastest: programs that share a
     # token's KV rows run side by side and hit L2 for each other.
+    # PAGED: idx holds request-local positions p; the row read is block_table[req[t], p // block_size] at offset
+    # p % block_size (p < 0, a block past max_blocks, a negative or out-of-cache block: skipped), so the backend's
+    # conversion to slot ids costs no launch of its own.
     # DV_SPLIT = 2: each program computes the full 576-wide scores but only 256 of the 512 output columns
     # (half the [BLOCK_H, 512] fp32 accumulator; the two halves of a row are two programs).
     pid = tl.program_id(0)
@@ -195,7 +205,8 @@ def _sparse_mla_fwd_kernel(
     qB = tl.load(q_row[:, None] + cB + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
     qC = tl.load(q_row[:, None] + cC + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
     qD = tl.load(q_row[:, None] + cD + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    qr = tl.load(q_row[:, None] + 512 + r[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    qr_row = qr_ptr + t.to(tl.int64) * stride_rt + offs_h.to(tl.int64) * stride_rh + rope_off
+    qr = tl.load(qr_row[:, None] + r[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -209,14 +220,26 @@ def _sparse_mla_fwd_kernel(
     end = start + split_len
     end = tl.where(end < topk, end, topk)
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    if PAGED:
+        bt_row = bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_btr
+        num_blocks = num_slots // block_size
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        slot = tl.load(idx_row + offs_n, mask=nmask, other=-1)
-        valid = nmask & (slot >= 0) & (slot < num_slots)
-        slot = tl.where(valid, slot, 0)
-        blk = slot // block_size
-        row = blk.to(tl.int64) * stride_kvb + (slot - blk * block_size).to(tl.int64) * stride_kvt
+        if PAGED:
+            pos = tl.load(idx_row + offs_n, mask=nmask, other=-1)
+            lblk = tl.maximum(pos, 0) // block_size
+            blk = tl.load(bt_row + lblk, mask=nmask & (pos >= 0) & (lblk < max_blocks), other=-1)
+            valid = (blk >= 0) & (blk < num_blocks)
+            blk = tl.where(valid, blk, 0)
+            off = tl.where(valid, pos - lblk * block_size, 0)
+        else:
+            slot = tl.load(idx_row + offs_n, mask=nmask, other=-1)
+            valid = nmask & (slot >= 0) & (slot < num_slots)
+            slot = tl.where(valid, slot, 0)
+            blk = slot // block_size
+            off = slot - blk * block_size
+        row = blk.to(tl.int64) * stride_kvb + off.to(tl.int64) * stride_kvt
 
         kA, sA = _load_nope_tile(kv_ptr, row, valid, cA, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
         kB, sB = _load_nope_tile(kv_ptr, row, valid, cB, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
@@ -276,7 +299,8 @@ def _request_slots_kernel(idx_ptr, req_ptr, bt_ptr, slot_ptr, topk, block_size, 
     """Request-local top-k positions -> global slot ids (-1 where invalid), BLOCK of one token's per program:
     slot = block_table[req_id[t], p // block_size] * block_size + p % block_size; p < 0, a block past the table
     or a negative table entry give -1 (the attention kernel skips it). One launch instead of the torch ops of
-    the backend's conversion (host launch cost)."""
+    the backend's conversion (host launch cost). Used only for tiles too large to convert inline (PAGED) without
+    spilling (see INLINE_PAGED_MAX_BLOCK_H)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < topk
@@ -642,11 +666,36 @@ def _slot_view(kv_cache: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, in
 
 
 _SLOTS_BLOCK = 1024  # top-k positions per program of _request_slots_kernel
+# Request-local indices are converted inside the attention kernel (PAGED) for tiles of up to this many heads. The
+# 64-head tiles run at 255 registers, where the inline conversion's extra live values spill (4-56 B on sm_90 with
+# Triton 3.6, tests/kernels/test_sparse_mla_xcompile.py); they convert in one small launch first.
+INLINE_PAGED_MAX_BLOCK_H = 32
 
 
 def _cdiv(a: int, b: int) -> int:
     """triton.cdiv without its per-call JIT-callable overhead (host launch path)."""
     return -(-a // b)
+
+
+def _q_parts(q) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(nope queries, rope queries, offset of the rope values in the second) of q = [T, H, 576] or the pair
+    (q_nope [T, H, 512], q_pe [T, H, 64]) that vLLM's MLA layer hands over (no concatenation)."""
+    if isinstance(q, (tuple, list)):
+        if len(q) != 2 or not all(isinstance(x, torch.Tensor) for x in q):
+            raise ValueError("sparse_mla_attention: q must be a tensor [T, H, 576] or the pair (q_nope, q_pe)")
+        qn, qr = q
+        if (qn.dim() != 3 or qr.dim() != 3 or qn.shape[-1] != KV_LORA_RANK or qr.shape[-1] != ROPE_DIM
+                or qn.shape[:2] != qr.shape[:2]):
+            raise ValueError(f"sparse_mla_attention: q must be the pair (q_nope [T, H, {KV_LORA_RANK}], q_pe [T, H, "
+                             f"{ROPE_DIM}]), got {tuple(qn.shape)} and {tuple(qr.shape)}")
+        if qn.dtype != qr.dtype or qn.device != qr.device:
+            raise ValueError(f"sparse_mla_attention: q_nope and q_pe differ in dtype or device ({qn.dtype} on "
+                             f"{qn.device}, {qr.dtype} on {qr.device})")
+        return qn, qr, 0
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"sparse_mla_attention: q must be [T, H, {HEAD_DIM}] (or the pair q_nope, q_pe), got "
+                         f"{tuple(getattr(q, 'shape', ()))}")
+    return q, q, KV_LORA_RANK
 
 
 def _check_paged(q, indices, block_table, req_id) -> bool:
@@ -665,9 +714,10 @@ def _check_paged(q, indices, block_table, req_id) -> bool:
 
 
 def _check_inputs(q, kv_cache, indices, kv_format, paged=False):
+    """Checks shared by the kernel and the reference; q is [T, H, 576] or its nope part [T, H, 512]."""
     if kv_format not in KV_FORMATS:
         raise ValueError(f"sparse_mla_attention: kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-    if q.dim() != 3 or q.shape[-1] != HEAD_DIM:
+    if q.dim() != 3 or q.shape[-1] not in (HEAD_DIM, KV_LORA_RANK):
         raise ValueError(f"sparse_mla_attention: q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
     if not 1 <= q.shape[1] <= 128:
         raise ValueError(f"sparse_mla_attention: H must be in 1..128, got {q.shape[1]}")
@@ -688,7 +738,7 @@ def _check_inputs(q, kv_cache, indices, kv_format, paged=False):
 
 
 def sparse_mla_attention(
-    q: torch.Tensor,
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     kv_cache: torch.Tensor,
     indices: torch.Tensor,
     softmax_scale: float,
@@ -706,7 +756,9 @@ def sparse_mla_attention(
     Arguments:
         q: [T, H, 576] torch.bfloat16. Absorbed queries: 512 "nope" values (q_nope @ W_UK) then 64 rope
             values. T is the number of query tokens (any T >= 0), H any head count in 1..128. The last
-            dimension must be contiguous; T and H may be strided.
+            dimension must be contiguous; T and H may be strided. Or the pair (q_nope [T, H, 512], q_pe
+            [T, H, 64]), each bfloat16 with a contiguous last dimension (vLLM's MLA layer hands q over
+            this way; read in place, never concatenated).
         kv_cache: the paged latent cache, viewed as one row per slot. Shapes accepted:
             [num_blocks, block_size, W], [num_blocks, block_size, 1, W] (FlashMLA's view),
             [num_slots, 1, W] or [num_slots, W]; the last dimension contiguous, blocks may be strided.
@@ -731,8 +783,8 @@ def sparse_mla_attention(
             cache's); p < 0, a block past the table's width or a negative table entry is skipped.
             block_table: [num_reqs, max_blocks] int32, rows contiguous; req_id: [>= T] int32 (rows past
             T unread); indices may then have more than T rows (a fixed-address buffer; rows past T are
-            unread). Same result as converting the indices first (one small extra launch instead of the
-            conversion's torch ops).
+            unread). Same result as converting the indices first; the kernel converts each position as it
+            reads it (no launch or allocation of its own).
         _fp8_native: testing hook: force (True) or avoid (False) the native e4m3 conversion
             (default: native on sm_89+ and in the interpreter, bit-manipulation on sm_80/86).
 
@@ -768,13 +820,18 @@ def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, re
     if not _PLANS.on:
         return None
     try:
-        key = (q.shape, q.stride(), q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
+        if isinstance(q, tuple):
+            qn, qr = q
+            qkey = (qn.shape, qn.stride(), qn.dtype, qn.device, qr.shape, qr.stride(), qr.dtype, qr.device)
+        else:
+            qkey = (q.shape, q.stride(), q.dtype, q.device)
+        key = (qkey, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
                kv_cache.device, indices.shape, indices.stride(), indices.dtype, kv_format, config, fp8_native,
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
                None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device),
                None if block_table is None else (block_table.shape[1:], block_table.stride(), block_table.dtype),
                None if req_id is None else (req_id.shape, req_id.stride(), req_id.dtype))
-    except (AttributeError, TypeError, IndexError):  # not tensors: no plan (the checks say what is wrong)
+    except (AttributeError, TypeError, IndexError, ValueError):  # not tensors: no plan (the checks say what is wrong)
         return None
     return key
 
@@ -813,6 +870,7 @@ class _Plan:
     """One call's checked arguments and derived launches (see the comment above)."""
 
     def __init__(self, q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native):
+        q, qr, self.rope_off = _q_parts(q)
         paged = _check_paged(q, indices, block_table, req_id)
         self.squeeze_idx = indices.dim() == 3
         indices = _check_inputs(q, kv_cache, indices, kv_format, paged)
@@ -823,7 +881,7 @@ class _Plan:
         self.kv_view = kv_cache.dim()  # 4: drop the KV-head axis, 2: one slot per block, 3: as given
         if q.dtype != torch.bfloat16:
             raise ValueError(f"sparse_mla_attention: q must be bfloat16, got {q.dtype}")
-        if q.stride(-1) != 1:
+        if q.stride(-1) != 1 or qr.stride(-1) != 1:
             raise ValueError("sparse_mla_attention: q must be contiguous in its last dimension")
         self.copy_idx = indices.stride(-1) != 1
         if self.copy_idx:
@@ -835,22 +893,25 @@ class _Plan:
                              f"got {tuple(out.shape)}")
         if lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32):
             raise ValueError(f"sparse_mla_attention: lse must be float32 [T, H], got {lse.dtype} {tuple(lse.shape)}")
-        self.T, self.H, self.topk, self.paged = T, H, topk, paged
-        self.kept = (_Kept(_slots_launch), _Kept(_fwd_launch), _Kept(_combine_launch))
+        self.T, self.H, self.topk = T, H, topk
+        self.kept = (_Kept(_fwd_launch), _Kept(_combine_launch), _Kept(_slots_launch))
         self.partials = None  # (stream, _PARTIALS.gen, po, plse) of the workspace views last used
         if T == 0:
             return
         capability, sm_count = _device_info(q.device)
-        if paged:  # request-local positions -> slot ids: one small launch (the backend's conversion rule)
-            self.slots_grid = (T, _cdiv(topk, _SLOTS_BLOCK))
-            self.slots_ints = (topk, block_size, block_table.shape[1], indices.stride(0), block_table.stride(0))
-            self.slots_kw = dict(BLOCK=_SLOTS_BLOCK, num_warps=4, num_stages=1)
-            idx_stride = topk  # the slots tensor
-        else:
-            idx_stride = indices.stride(0)
         if config is None:
             config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
         bh, bn = config.block_h, config.block_n
+        # request-local positions: the attention kernel reads the block table itself (inline), or, for the largest
+        # tiles, one small launch converts them to slot ids first
+        self.inline = paged and bh <= INLINE_PAGED_MAX_BLOCK_H
+        self.convert = paged and not self.inline
+        max_blocks, stride_btr = (block_table.shape[1], block_table.stride(0)) if self.inline else (0, 0)
+        idx_stride = topk if self.convert else indices.stride(0)  # the slots tensor, or the indices
+        if self.convert:
+            self.slots_grid = (T, _cdiv(topk, _SLOTS_BLOCK))
+            self.slots_ints = (topk, block_size, block_table.shape[1], indices.stride(0), block_table.stride(0))
+            self.slots_kw = dict(BLOCK=_SLOTS_BLOCK, num_warps=4, num_stages=1)
         if bh not in (16, 32, 64, 128) or bn not in (16, 32, 64, 128):
             raise ValueError(f"sparse_mla_attention: bad config {config}: block_h and block_n must be 16..128, "
                              "powers of two")
@@ -865,12 +926,13 @@ class _Plan:
         out_s = (H * KV_LORA_RANK, KV_LORA_RANK) if out is None else (out.stride(0), out.stride(1))
         lse_s = (H, 1) if lse is None else (lse.stride(0), lse.stride(1))
         self.grid = (T * num_splits * config.dv_split * num_head_groups,)
-        self.fwd_ints = (H, topk, num_slots, block_size, split_len, num_head_groups, num_splits,
-                         q.stride(0), q.stride(1), stride_b, stride_t, idx_stride) + out_s + lse_s
+        self.fwd_ints = (H, topk, num_slots, block_size, split_len, num_head_groups, num_splits, max_blocks,
+                         q.stride(0), q.stride(1), qr.stride(0), qr.stride(1), self.rope_off, stride_b, stride_t,
+                         idx_stride, stride_btr) + out_s + lse_s
         self.fwd_kw = dict(
             IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=self.split, DOT_F32=INTERPRETED,
             BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split,
-            FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla",
+            FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla", PAGED=self.inline,
             num_warps=config.num_warps, num_stages=config.num_stages)
         if self.split:
             chunk, block_d = _combine_bucket(num_splits)
@@ -880,6 +942,7 @@ class _Plan:
 
     def run(self, q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id):
         T, H = self.T, self.H
+        q, qr = q if self.rope_off == 0 else (q, q)
         if self.u8:
             kv_cache = kv_cache.view(torch.uint8)
         kv = kv_cache[:, :, 0] if self.kv_view == 4 else kv_cache.unsqueeze(1) if self.kv_view == 2 else kv_cache
@@ -893,20 +956,22 @@ class _Plan:
             lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         if T == 0:
             return out, lse
-        if self.paged:
-            slots = torch.empty((T, self.topk), dtype=torch.int32, device=q.device)
-            t = (indices, req_id, block_table, slots)
-            self.kept[0](self.slots_grid, t, t + self.slots_ints, self.slots_kw)
-            indices = slots
         if self.split:
             po, plse = self._partials(q.device)
         else:
             po = plse = out  # unused (SPLIT=False)
-        t = (q, kv, indices, out, lse, po, plse)
-        self.kept[1](self.grid, t, t + self.fwd_ints + (float(softmax_scale) * _LOG2E,), self.fwd_kw)
+        if self.convert:
+            slots = torch.empty((T, self.topk), dtype=torch.int32, device=q.device)
+            t = (indices, req_id, block_table, slots)
+            self.kept[2](self.slots_grid, t, t + self.slots_ints, self.slots_kw)
+            indices = slots
+        if not self.inline:
+            req_id = block_table = indices  # unread (PAGED=False)
+        t = (q, qr, kv, indices, req_id, block_table, out, lse, po, plse)
+        self.kept[0](self.grid, t, t + self.fwd_ints + (float(softmax_scale) * _LOG2E,), self.fwd_kw)
         if self.split:
             t = (po, plse, out, lse)
-            self.kept[2](self.comb_grid, t, t + self.comb_ints, self.comb_kw)
+            self.kept[1](self.comb_grid, t, t + self.comb_ints, self.comb_kw)
         return out, lse
 
     def _partials(self, device):
@@ -952,6 +1017,8 @@ def sparse_mla_reference(
     :func:`sparse_mla_attention`. Returns out [T, H, 512] float32 (or written into ``out``, cast) and
     lse [T, H] float32. Works on any device; processes tokens in chunks of at most ``max_chunk_bytes``
     of gathered float32 rows."""
+    qn, qr, rope_off = _q_parts(q)
+    q = qn if rope_off else torch.cat([qn, qr], dim=-1)
     indices = _check_inputs(q, kv_cache, indices, kv_format)
     if kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8:
         kv_cache = kv_cache.view(torch.uint8)

@@ -266,8 +266,9 @@ def test_direct_launch_is_bit_identical_to_the_jit_entry():
 
 
 def test_backend_forward_with_request_local_indices():
-    """The backend's per-layer call (request-local top-k, converted by _request_slots_kernel) equals converting the
-    indices with the backend's torch conversion first, bit for bit, for both cache formats."""
+    """The backend's per-layer call (the (q_nope, q_pe) pair read in place, request-local top-k converted inside the
+    attention kernel) equals converting the indices with the backend's torch conversion first and passing the
+    concatenated q, bit for bit, for both cache formats."""
     from overlay import triton_mla_sparse_ops as ops
 
     for fmt in ("bf16", "fp8_ds_mla"):

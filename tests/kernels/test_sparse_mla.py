@@ -357,6 +357,7 @@ def test_request_local_indices_equal_converted_slot_ids(fmt):
     cache = C.mla_cache(g, num_blocks, block_size, fmt)
     block_table = torch.randperm(num_blocks, generator=g)[:8].view(2, 4).to(torch.int32)
     block_table[1, 3] = -1  # an unallocated entry
+    block_table[0, 2] = num_blocks + 2  # a block past the cache's end
     req_id = torch.tensor([0, 0, 1, 1, 1, 0, 1], dtype=torch.int32)  # 2 rows past T
     local = torch.tensor([[r.randrange(-3, 4 * block_size + 6) for _ in range(topk)] for _ in range(T + 3)],
                          dtype=torch.int32)
@@ -365,16 +366,54 @@ def test_request_local_indices_equal_converted_slot_ids(fmt):
     q = (torch.randn(T, H, 576, generator=g) * 0.5).to(torch.bfloat16)
     slots = convert_req_index_to_global(req_id[:T], block_table, local[:T], block_size)
     assert (slots < 0).any() and (slots >= 0).any()
-    cfg = M.SparseMLAConfig(16, 16, 3, 4, 2)
-    want_o, want_l = C.poisoned_mla_outputs(T, H, torch.float32)
-    M.sparse_mla_attention(q, cache, slots, 0.1, fmt, out=want_o, lse=want_l, config=cfg)
-    got_o, got_l = C.poisoned_mla_outputs(T, H, torch.float32)
-    M.sparse_mla_attention(q, cache, local, 0.1, fmt, out=got_o, lse=got_l, config=cfg,
-                           block_table=block_table, req_id=req_id)
-    assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l)
-    assert torch.isinf(got_l[1]).all() and (got_o[1] == 0).all()
+    assert (slots >= num_blocks * block_size).any()  # the past-the-end block is hit
+    # inline conversion (16 heads) and the separate conversion launch of the 64-head tiles
+    assert 16 <= M.INLINE_PAGED_MAX_BLOCK_H < 64
+    for cfg in (M.SparseMLAConfig(16, 16, 3, 4, 2), M.SparseMLAConfig(64, 16, 2, 4, 2)):
+        want_o, want_l = C.poisoned_mla_outputs(T, H, torch.float32)
+        M.sparse_mla_attention(q, cache, slots, 0.1, fmt, out=want_o, lse=want_l, config=cfg)
+        got_o, got_l = C.poisoned_mla_outputs(T, H, torch.float32)
+        M.sparse_mla_attention(q, cache, local, 0.1, fmt, out=got_o, lse=got_l, config=cfg,
+                               block_table=block_table, req_id=req_id)
+        assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l), cfg
+        assert torch.isinf(got_l[1]).all() and (got_o[1] == 0).all()
+        got_o, got_l = C.poisoned_mla_outputs(T, H, torch.float32)  # as the backend calls it: the (q_nope, q_pe) pair
+        M.sparse_mla_attention((q[..., :512], q[..., 512:]), cache, local, 0.1, fmt, out=got_o, lse=got_l,
+                               config=cfg, block_table=block_table, req_id=req_id)
+        assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l), cfg
     with pytest.raises(ValueError, match="block_table and req_id go together"):
         M.sparse_mla_attention(q, cache, local, 0.1, fmt, block_table=block_table)
     with pytest.raises(ValueError, match="req_id must be"):
         M.sparse_mla_attention(q, cache, local, 0.1, fmt, block_table=block_table, req_id=req_id[:2])
 
+
+@pytest.mark.parametrize("fmt", M.KV_FORMATS)
+def test_q_pair_is_read_in_place(fmt):
+    """q as vLLM's (q_nope [T, H, 512], q_pe [T, H, 64]) pair, each a strided view of a wider buffer with its own
+    strides, gives bit for bit the result of the concatenated [T, H, 576] q; both split and unsplit launches; the
+    reference takes the pair too. Malformed pairs are refused by name."""
+    g = torch.Generator().manual_seed(77)
+    T, H, topk, bs = 6, 20, 70, 16
+    cache = C.mla_cache(g, 7, bs, fmt)
+    idx = torch.randint(-2, 7 * bs + 3, (T, topk), generator=g, dtype=torch.int32)
+    nope_buf = (torch.randn(H, T, 600, generator=g) * 0.5).to(torch.bfloat16)  # head-major, like vLLM's bmm output
+    pe_buf = (torch.randn(T, H, 96, generator=g) * 0.5).to(torch.bfloat16)
+    q_nope, q_pe = nope_buf[..., 40:552].transpose(0, 1), pe_buf[..., 16:80]
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    for cfg in (M.SparseMLAConfig(16, 16, 1, 4, 2), M.SparseMLAConfig(32, 32, 3, 4, 2)):
+        want_o, want_l = C.poisoned_mla_outputs(T, H, torch.float32)
+        M.sparse_mla_attention(q, cache, idx, 0.08, fmt, out=want_o, lse=want_l, config=cfg)
+        got_o, got_l = C.poisoned_mla_outputs(T, H, torch.float32)
+        M.sparse_mla_attention((q_nope, q_pe), cache, idx, 0.08, fmt, out=got_o, lse=got_l, config=cfg)
+        assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l), cfg
+    ref_o, ref_l = M.sparse_mla_reference((q_nope, q_pe), cache, idx, 0.08, fmt)
+    assert torch.equal(ref_o, M.sparse_mla_reference(q, cache, idx, 0.08, fmt)[0])
+    assert (ref_o - want_o).abs().max() < 2e-2 * ref_o.abs().max()
+    with pytest.raises(ValueError, match="pair"):
+        M.sparse_mla_attention((q_nope, q_pe[..., :32]), cache, idx, 0.08, fmt)
+    with pytest.raises(ValueError, match="pair"):
+        M.sparse_mla_attention((q_nope[:3], q_pe), cache, idx, 0.08, fmt)
+    with pytest.raises(ValueError, match="pair"):
+        M.sparse_mla_attention((q_nope, q_pe, q_pe), cache, idx, 0.08, fmt)
+    with pytest.raises(ValueError, match="differ in dtype"):
+        M.sparse_mla_attention((q_nope, q_pe.float()), cache, idx, 0.08, fmt)

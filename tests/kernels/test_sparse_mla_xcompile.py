@@ -24,7 +24,7 @@ TARGETS = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0), 100: (10, 0), 120: (1
 
 # Arguments a real launch specialises as 16-divisible for the shapes the product sees (aligned
 # allocations; 576-/656-wide rows; block sizes and top-k multiples of 16).
-DIVISIBLE = ("q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr", "plse_ptr", "block_size",
+DIVISIBLE = ("q_ptr", "qr_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr", "plse_ptr", "block_size",
              "split_len", "stride_qt", "stride_qh", "stride_kvb", "stride_kvt", "stride_it", "stride_ot",
              "stride_oh")
 
@@ -64,17 +64,20 @@ def _worker(cc: int) -> None:
     capability = TARGETS[cc]
     for fmt in M.KV_FORMATS:
         for (bh, bn, nw, ns, dv, post) in M.candidate_tiles(capability, fmt) + extra_tiles(capability, fmt):
-            for split in (False, True):
-                ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fmt == "fp8_ds_mla" else "*bf16",
-                        "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-                        "po_ptr": "*fp32" if split else "*bf16", "plse_ptr": "*fp32" if split else "*bf16"}
+            # request-local indices are converted inline (PAGED) only by tiles of up to INLINE_PAGED_MAX_BLOCK_H heads
+            inline = (False, True) if bh <= M.INLINE_PAGED_MAX_BLOCK_H else (False,)
+            for split, paged in ((split, paged) for split in (False, True) for paged in inline):
+                ptrs = {"q_ptr": "*bf16", "qr_ptr": "*bf16", "kv_ptr": "*u8" if fmt == "fp8_ds_mla" else "*bf16",
+                        "idx_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*bf16",
+                        "lse_ptr": "*fp32", "po_ptr": "*fp32" if split else "*bf16",
+                        "plse_ptr": "*fp32" if split else "*bf16"}
                 consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=capability >= (8, 9), SPLIT=split,
                               DOT_F32=False, BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=dv,
-                              FP8_POST=post and fmt == "fp8_ds_mla")
+                              FP8_POST=post and fmt == "fp8_ds_mla", PAGED=paged)
                 c = cross_compile(M._sparse_mla_fwd_kernel, _signature(M._sparse_mla_fwd_kernel, ptrs),
                                   consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
                 print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns, dv, int(post)],
-                                      split=split,
+                                      split=split, paged=paged,
                                       shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
                                       spill_stores=c.spill_stores, spill_loads=c.spill_loads,
                                       traps=c.traps)), flush=True)
@@ -128,8 +131,9 @@ def test_every_heuristic_config_fits_and_does_not_spill(tri, cc):
     assert proc.returncode == 0, f"cross-compile for sm_{cc} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {r["kernel"] for r in rows} == {"fwd", "combine", "slots"}
+    assert {r.get("paged") for r in rows if r["kernel"] == "fwd"} == {False, True}
     bad = [r for r in rows if r["shared"] > r["limit"] or r["spill_stores"] or r["spill_loads"] or r["traps"]]
-    table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']}: shared "
+    table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']} paged={r.get('paged')}: shared "
                       f"{r['shared']}/{r['limit']} B, {r['regs']} regs, spills "
                       f"{r['spill_stores']}/{r['spill_loads']} B, traps {r['traps']}" for r in rows)
     assert not bad, (f"triton {tri}, sm_{cc}: configurations over the shared-memory limit, spilling, or "
