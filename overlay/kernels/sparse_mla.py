@@ -24,8 +24,9 @@ is also the fp8 quantisation tile, so dequantisation (uint8 -> float8e4nv -> x p
 in registers right after the gather (sm_80/86, which have no e4m3 type, decode the bits by hand). q is read
 where vLLM leaves it (one [T, H, 576] tensor, or the (q_nope, q_pe) pair: two pointers, never concatenated).
 Request-local top-k positions (the indexer's output, with block_table / req_id) become cache rows inside the
-loop (PAGED: one block-table gather per BLOCK_N rows) for tiles of up to 32 heads; the 64-head tiles, at the
-register limit, convert them in one small launch first (INLINE_PAGED_MAX_BLOCK_H). Online
+loop (PAGED: one block-table gather per BLOCK_N rows) in the latency regime (decode-sized batches); elsewhere, and
+for the 64-head tiles at the register limit, one small launch converts them first (INLINE_PAGED_MAX_BLOCK_H).
+Online
 softmax runs in fp32 with exp2. With ``num_splits > 1`` every split writes a normalised fp32 partial
 output and its lse, and a second small kernel merges the splits by lse (one pass with an online max; one
 program per row over all 512 columns, the split reduction inside each thread, up to 16 splits; 32 splits
@@ -598,12 +599,17 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
     """
     fam = _family(capability)
     T = max(1, num_tokens)
-    if T * triton.cdiv(num_heads, 16) <= max(1, sm_count // 8):
+    if latency_regime(num_tokens, num_heads, sm_count):
         entry = _LATENCY_TUNING[(fam, kv_format)]
     else:
         entry = _THROUGHPUT_TUNING[(fam, kv_format, _head_bucket(num_heads))]
     splits = split_count(num_tokens, num_heads, topk, entry.config, entry.programs_per_sm, sm_count)
     return replace(entry.config, num_splits=splits)
+
+
+def latency_regime(num_tokens: int, num_heads: int, sm_count: int = 132) -> bool:
+    """Few (token, 16-head) rows: T x ceil(H / 16) <= sm_count / 8 (T = 1 at any H, T <= 16 at H <= 16)."""
+    return max(1, num_tokens) * _cdiv(num_heads, 16) <= max(1, sm_count // 8)
 
 
 def split_count(num_tokens: int, num_heads: int, topk: int, tile: "tuple | SparseMLAConfig",
@@ -666,10 +672,14 @@ def _slot_view(kv_cache: torch.Tensor, kv_format: str) -> tuple[torch.Tensor, in
 
 
 _SLOTS_BLOCK = 1024  # top-k positions per program of _request_slots_kernel
-# Request-local indices are converted inside the attention kernel (PAGED) for tiles of up to this many heads. The
-# 64-head tiles run at 255 registers, where the inline conversion's extra live values spill (4-56 B on sm_90 with
-# Triton 3.6, tests/kernels/test_sparse_mla_xcompile.py); they convert in one small launch first.
+# Request-local indices are converted inside the attention kernel (PAGED) in the latency regime (latency_regime:
+# few rows, many short splits, where a launch's host and GPU cost is what a call pays) for tiles of up to this many
+# heads; everywhere else one small launch converts them first. Measured on the H200: inline the dependent
+# block-table gather costs 13-14 us of GPU time at T=128 (16 or 8 heads, bf16, 95 -> 109 us), more than the
+# conversion launch; at T=1 it costs 0.1-0.7 us and saves a launch. The 64-head tiles run at 255 registers, where the
+# inline conversion's extra live values spill (4-56 B on sm_90 with Triton 3.6, tests/kernels/test_sparse_mla_xcompile.py).
 INLINE_PAGED_MAX_BLOCK_H = 32
+INLINE_PAGED = True  # False: always the conversion launch (benchmarks compare the two; reset_plans() after a change)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -904,7 +914,8 @@ class _Plan:
         bh, bn = config.block_h, config.block_n
         # request-local positions: the attention kernel reads the block table itself (inline), or, for the largest
         # tiles, one small launch converts them to slot ids first
-        self.inline = paged and bh <= INLINE_PAGED_MAX_BLOCK_H
+        self.inline = (paged and INLINE_PAGED and bh <= INLINE_PAGED_MAX_BLOCK_H
+                       and latency_regime(T, H, sm_count))
         self.convert = paged and not self.inline
         max_blocks, stride_btr = (block_table.shape[1], block_table.stride(0)) if self.inline else (0, 0)
         idx_stride = topk if self.convert else indices.stride(0)  # the slots tensor, or the indices

@@ -201,7 +201,8 @@ def _unplanned(call):
 def test_a_planned_repeat_call_launches_what_the_jit_entry_launches(monkeypatch, kv_format, T, paged):
     """sparse_mla_attention plans a call once per (shapes, strides, dtypes, devices): a repeat call launches
     the binaries the first call's launches were specialised to, with the arguments Triton's JIT entry
-    passes for that call (1-2 launches: attention, split merge), past the per-argument key. The request-local
+    passes for that call (1-3 launches: slot conversion outside the latency regime, attention, split merge), past
+    the per-argument key. The request-local
     case passes q as vLLM's (q_nope, q_pe) pair of strided views, as the backend does."""
     monkeypatch.setattr(SM, "_device_info", lambda device: ((9, 0), 132))
     g = torch.Generator().manual_seed(T)
@@ -231,7 +232,9 @@ def test_a_planned_repeat_call_launches_what_the_jit_entry_launches(monkeypatch,
         direct = [x.direct_calls for x in SM.LAUNCHERS]
         call()                                   # the plan, launching the kept binaries
         planned = fake.launches[n:]
-        assert 1 <= len(planned) <= 2
+        plan = next(iter(SM._PLANS.plans.values()))
+        assert plan.inline == (paged and T < 40) and plan.convert == (paged and T == 40)  # the latency regime only
+        assert len(planned) == 1 + plan.split + plan.convert
         assert sum(x.direct_calls for x in SM.LAUNCHERS) - sum(direct) == len(planned)
         assert len(SM._PLANS) == 1
         n = len(fake.launches)
