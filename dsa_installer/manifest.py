@@ -34,7 +34,7 @@ FAMILIES = "families"  # patches/families/<name>/: diffs shared by the releases 
 # family (tests/engine/test_patch_sets.py checks it; 0.20.0 for the 0.20-0.23 family's shared hunks, 0.23.0 for
 # its overrides); every supported release gets the pristine-wheel tests whether or not it is listed here.
 # A release listed before its patch set ships fails its real-venv tests (0.25.1, 0.26.0 until theirs land).
-VENV_RELEASES = ("0.16.0", "0.18.1", "0.19.1", "0.20.0", "0.23.0", "0.25.1", "0.26.0", "0.27.0")
+VENV_RELEASES = ("0.16.0", "0.18.1", "0.19.1", "0.20.0", "0.23.0", "0.25.1", "0.26.0", "0.27.0", "0.28.0")
 _FAMILY = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

@@ -116,10 +116,12 @@ def _heads(q) -> int:
     return int(values.shape[-2])
 
 
+def _on_deep_gemm(heads: int) -> bool:
+    return use_deep_gemm() and heads in DEEP_GEMM_INDEX_HEADS
+
+
 def _impl(name: str, heads: int):
-    if use_deep_gemm() and heads in DEEP_GEMM_INDEX_HEADS:
-        return getattr(_deep_gemm(), name)
-    return getattr(_triton(), name)
+    return getattr(_deep_gemm() if _on_deep_gemm(heads) else _triton(), name)
 
 
 # --- vLLM 0.20.0-0.25.1 names ---------------------------------------------------------------
@@ -133,11 +135,16 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
 
 def fp8_fp4_paged_mqa_logits(
     q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len,
-    clean_logits,
+    clean_logits, indices=None,
 ):
-    return _impl("fp8_fp4_paged_mqa_logits", _heads(q))(
+    """`indices` (0.28.0 on): the request of each flattened varlen decode row, a scheduling hint for
+    DeepGEMM's SM100 kernel, passed to DeepGEMM only when given. The Triton kernel does not need it: the
+    flattened rows already carry their own context length and block-table row."""
+    heads = _heads(q)
+    extra = {"indices": indices} if indices is not None and _on_deep_gemm(heads) else {}
+    return _impl("fp8_fp4_paged_mqa_logits", heads)(
         q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-        max_model_len=max_model_len, clean_logits=clean_logits,
+        max_model_len=max_model_len, clean_logits=clean_logits, **extra,
     )
 
 
@@ -163,19 +170,25 @@ def fp8_paged_mqa_logits(
 # --- decode scheduling metadata --------------------------------------------------------------
 
 
-def fill_paged_mqa_logits_metadata(buffer, context_lens, block_size: int, num_sms: int) -> None:
-    """Fill the builder's fixed-address schedule buffer for the paged logits kernel.
+def fill_paged_mqa_logits_metadata(buffer, context_lens, block_size: int, num_sms: int, indices=None):
+    """Fill the builder's fixed-address schedule buffer for the paged logits kernel; returns the part
+    of it that holds the schedule (what the decode metadata keeps).
 
-    DeepGEMM path: DeepGEMM's `get_paged_mqa_logits_metadata` (as upstream does). Triton path: the
-    Triton module's own `get_paged_mqa_logits_metadata` when it has one of the buffer's shape;
-    otherwise the buffer is left as is (the Triton kernel schedules itself).
+    DeepGEMM path: DeepGEMM's `get_paged_mqa_logits_metadata` (as upstream does), into the buffer's first
+    rows (0.28.0 on, the schedule may be shorter than the buffer; `indices` is passed on when given).
+    Triton path: the Triton module's own `get_paged_mqa_logits_metadata` when it has one of the buffer's
+    shape; otherwise the buffer is left as is (the Triton kernel schedules itself).
     """
     if use_deep_gemm():
-        buffer[:] = _deep_gemm().get_paged_mqa_logits_metadata(context_lens, block_size, num_sms)
-        return
+        extra = {} if indices is None else {"indices": indices}
+        meta = _deep_gemm().get_paged_mqa_logits_metadata(context_lens, block_size, num_sms, **extra)
+        view = buffer[: meta.shape[0]]
+        view[:] = meta
+        return view
     make = getattr(_triton(), "get_paged_mqa_logits_metadata", None)
     if make is None:
-        return
+        return buffer
     meta = make(context_lens, block_size, num_sms)
     if meta is not None and tuple(meta.shape) == tuple(buffer.shape):
         buffer.copy_(meta)
+    return buffer

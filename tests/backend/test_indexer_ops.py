@@ -37,15 +37,18 @@ class Recorder(types.SimpleNamespace):
         for fn in ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "fp8_mqa_logits",
                    "fp8_paged_mqa_logits"):
             setattr(self, fn, self._rec(fn, name))
+        self.kwargs = []
         if meta_shape is not None:
-            def meta(context_lens, block_size, num_sms):
+            def meta(context_lens, block_size, num_sms, **kwargs):
                 self.calls.append("get_paged_mqa_logits_metadata")
+                self.kwargs.append(sorted(kwargs))
                 return torch.full(meta_shape, 7, dtype=torch.int32)
             self.get_paged_mqa_logits_metadata = meta
 
     def _rec(self, fn, name):
         def f(*args, **kwargs):
             self.calls.append(fn)
+            self.kwargs.append(sorted(kwargs))
             return name
         return f
 
@@ -94,7 +97,7 @@ def test_triton_metadata_of_other_shape_leaves_buffer(monkeypatch):
     monkeypatch.setattr(ix, "_deep_gemm", lambda: pytest.fail("DeepGEMM touched"))
     _use(monkeypatch, False)
     buf = torch.zeros(3, 2, dtype=torch.int32)
-    ix.fill_paged_mqa_logits_metadata(buf, torch.ones(2, 1, dtype=torch.int32), 64, 2)
+    assert ix.fill_paged_mqa_logits_metadata(buf, torch.ones(2, 1, dtype=torch.int32), 64, 2) is buf
     assert (buf == 0).all()
 
 
@@ -102,9 +105,43 @@ def test_deep_gemm_path_fills_metadata(fakes, monkeypatch):
     dg, tr = fakes
     _use(monkeypatch, True)
     buf = torch.zeros(3, 2, dtype=torch.int32)
-    ix.fill_paged_mqa_logits_metadata(buf, torch.ones(2, 1, dtype=torch.int32), 64, 2)
+    view = ix.fill_paged_mqa_logits_metadata(buf, torch.ones(2, 1, dtype=torch.int32), 64, 2)
     assert dg.calls == ["get_paged_mqa_logits_metadata"] and tr.calls == []
-    assert (buf == 7).all()
+    assert dg.kwargs == [[]]  # no `indices` keyword for the DeepGEMM wrappers of 0.16-0.27
+    assert (buf == 7).all() and view.data_ptr() == buf.data_ptr() and view.shape == buf.shape
+
+
+def test_deep_gemm_schedule_shorter_than_the_buffer(monkeypatch):
+    """vLLM 0.28.0 on: DeepGEMM's schedule may have fewer rows than the builder's buffer (sized for one slot per
+    SM); its first rows get it, the rest stay, and the view the decode metadata keeps is just those rows."""
+    dg, tr = Recorder("deep_gemm", (2, 2)), Recorder("triton", (3, 2))
+    monkeypatch.setattr(ix, "_deep_gemm", lambda: dg)
+    monkeypatch.setattr(ix, "_triton", lambda: tr)
+    _use(monkeypatch, True)
+    buf = torch.full((5, 2), -3, dtype=torch.int32)
+    rows = torch.arange(4, dtype=torch.int32)
+    view = ix.fill_paged_mqa_logits_metadata(buf, torch.ones(4, dtype=torch.int32), 64, 2, indices=rows)
+    assert dg.kwargs == [["indices"]] and tr.calls == []
+    assert view.shape == (2, 2) and view.data_ptr() == buf.data_ptr() and (view == 7).all()
+    assert (buf[2:] == -3).all()
+
+
+@pytest.mark.parametrize("heads, deep_gemm_ok", [(32, True), (8, True), (32, False)])
+def test_varlen_indices_reach_deep_gemm_only(fakes, monkeypatch, heads, deep_gemm_ok):
+    """0.28.0's paged call passes `indices=` (request of each flattened varlen row): DeepGEMM gets it; the
+    Triton kernel, whose flattened rows carry their own context length and block-table row, does not; a call
+    without it passes nothing (the 0.20-0.27 wrappers have no such keyword)."""
+    dg, tr = fakes
+    _use(monkeypatch, deep_gemm_ok)
+    q = torch.zeros(3, 1, heads, 128)
+    rows = torch.tensor([0, 0, 1], dtype=torch.int32)
+    got = ix.fp8_fp4_paged_mqa_logits((q, None), None, None, None, None, None, 64, False, indices=rows)
+    ix.fp8_fp4_paged_mqa_logits((q, None), None, None, None, None, None, 64, False)
+    on_dg = deep_gemm_ok and heads in ix.DEEP_GEMM_INDEX_HEADS
+    assert got == ("deep_gemm" if on_dg else "triton")
+    used = dg if on_dg else tr
+    assert used.kwargs == [["clean_logits", "indices", "max_model_len"] if on_dg else ["clean_logits", "max_model_len"],
+                           ["clean_logits", "max_model_len"]]
 
 
 # --- the fused indexer-query kernel's capability gate (0.25.0 on) ---------------------------------

@@ -1,4 +1,4 @@
-"""vLLM 0.26.0 and 0.27.0 patched on CPU (hard-linked copies of the real venvs, tests/vllm_envs.py): the patch
+"""vLLM 0.26.0, 0.27.0 and 0.28.0 patched on CPU (hard-linked copies of the real venvs, tests/vllm_envs.py): the patch
 set's hooks import and reach the overlay, and TRITON_MLA_SPARSE runs on the 0.26 family's sparse bases
 (`SparseMLACommonMetadataBuilder` / `SparseMLACommonImpl`) through the REAL builder and impl, kernels in
 the Triton interpreter, against a dense float64 reference that never reads the paged cache.
@@ -11,7 +11,7 @@ the shared builder makes (the dense-MHA prefill itself is upstream's CUDA code: 
 prefill to the same bases for sm_100 with FlashAttention 4 only (`_is_masked_mha_available`); elsewhere its split is
 0.26's.
 
-The 0.27.0 venv holds torch 2.13.0's CPU build (the wheel this machine serves; .ci/run), without the
+The 0.27.0 and 0.28.0 venvs hold torch 2.13.0's CPU build (the wheel this machine serves; .ci/run), without the
 libtorch_cuda.so / libc10_cuda.so vLLM's CUDA extensions link against: the stub directory (dsa_installer/cudastub.py)
 supplies both there, so `vllm.platforms.cuda` imports as with a CUDA torch.
 """
@@ -21,7 +21,7 @@ import pytest
 from tests import vllm_envs
 from tests.backend.test_dsa_integration import run_json
 
-VERSIONS = ("0.26.0", "0.27.0")
+VERSIONS = ("0.26.0", "0.27.0", "0.28.0")
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -54,8 +54,8 @@ print(json.dumps({
     "gate": [ix.triton_fp8_store_supported(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))],
 }))
 """)
-    # 0.27.0 on torch's CPU build: the stub libtorch_cuda.so made vllm.platforms.cuda importable above
-    assert out.pop("cpu_torch") == (request.node.callspec.params["staged"] == "0.27.0")
+    # 0.27.0 / 0.28.0 on torch's CPU build: the stub libtorch_cuda.so made vllm.platforms.cuda importable above
+    assert out.pop("cpu_torch") == (request.node.callspec.params["staged"] in ("0.27.0", "0.28.0"))
     assert out == {"backend": "TRITON_MLA_SPARSE", "shared": True, "impl_base": True, "builder_base": True,
                    "ix": "vllm._dsa_overlay.indexer_ops", "select_hook": True, "meta_hook": True,
                    "gate_hook": True, "gate": [False, False, True, True, True]}
@@ -186,7 +186,7 @@ print(json.dumps(results))
 
 
 def test_backend_on_026_bases_vs_dense_reference(staged):
-    """Real 0.26-family builder + impl (0.26.0, 0.27.0), bf16 and fp8_ds_mla caches, layers with and without an indexer
+    """Real 0.26-family builder + impl (0.26.0, 0.27.0, 0.28.0), bf16 and fp8_ds_mla caches, layers with and without an indexer
     (GLM-5.2 reads the shared top-k buffer), a long mixed batch (all MQA) and a short prefill (MHA-eligible):
     every MQA token equals dense sparse attention over its own top-k, decode slices included."""
     out = run_json(staged, BACKEND)
