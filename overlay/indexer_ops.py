@@ -2,8 +2,8 @@
 
 The hooks in `sparse_attn_indexer.py` and `v1/attention/backends/mla/indexer.py` call these
 functions instead of `vllm.utils.deep_gemm`'s. They have the same signatures as the wrappers of
-the running vLLM release (0.16.0-0.19.1: `fp8_mqa_logits`, `fp8_paged_mqa_logits`; 0.20.0-0.25.1:
-`fp8_fp4_mqa_logits`, `fp8_fp4_paged_mqa_logits`, fp8 query path) and dispatch per call:
+the running vLLM release (0.16.0-0.19.1: `fp8_mqa_logits`, `fp8_paged_mqa_logits`; 0.20.0 on:
+`fp8_fp4_mqa_logits`, `fp8_fp4_paged_mqa_logits`, fp8 query path, `indices=` from 0.28.0) and dispatch per call:
 
 * DeepGEMM when it is usable: installed, on compute capability 9.x/10.x, the portable switch
   (`DSA_OVERLAY_PORTABLE=1`) off, and the indexer head count one DeepGEMM's kernels accept
@@ -124,7 +124,7 @@ def _impl(name: str, heads: int):
     return getattr(_deep_gemm() if _on_deep_gemm(heads) else _triton(), name)
 
 
-# --- vLLM 0.20.0-0.25.1 names ---------------------------------------------------------------
+# --- vLLM 0.20.0+ names -----------------------------------------------------------------------
 
 
 def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits):

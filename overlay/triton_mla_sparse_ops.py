@@ -14,8 +14,9 @@ impl); everything here is what they call, unit-tested from a checkout:
   fp8_ds_mla) and hands it to the kernel without copying (slot s = block s // bs, offset s % bs).
 * `sparse_mla_forward`: one kernel call for the whole batch (prefill, chunked prefill and decode
   tokens alike: each query token carries its own top-k of cached slots); the kernel reads vLLM's
-  (ql_nope, q_pe) pair in place and converts the request-local top-k as it reads it, so a layer costs
-  the host one launch (two with a split top-k) and the output allocations (bench/launch_census.py).
+  (ql_nope, q_pe) pair in place and, for decode-sized batches, converts the request-local top-k as it reads
+  it, so a layer costs the host one launch (two with a split top-k) and the output allocations; larger
+  batches add one small conversion launch (bench/launch_census.py).
 """
 
 from __future__ import annotations
@@ -121,9 +122,10 @@ def sparse_mla_forward(
     """Sparse MLA for a batch of query tokens: (out [T, H, 512] bf16, lse [T, H] fp32).
 
     `attention` defaults to the Triton kernel `sparse_mla_attention`, which reads the (ql_nope, q_pe) pair in
-    place and converts each request-local index as it reads it (its block_table / req_id arguments): one
-    launch, no concatenation, no slot tensor. Tests pass a reference, which gets the concatenated q and global
-    slot ids from `convert_req_index_to_global`.
+    place and converts the request-local indices (its block_table / req_id arguments): as it reads them for
+    decode-sized batches (one launch, no slot tensor), by one small launch first otherwise; never a
+    concatenation. Tests pass a reference, which gets the concatenated q and global slot ids from
+    `convert_req_index_to_global`.
     """
     kv = kv_slots(kv_cache, kv_format)
     if attention is None and kv.shape[1] == block_size:

@@ -300,8 +300,8 @@ def _request_slots_kernel(idx_ptr, req_ptr, bt_ptr, slot_ptr, topk, block_size, 
     """Request-local top-k positions -> global slot ids (-1 where invalid), BLOCK of one token's per program:
     slot = block_table[req_id[t], p // block_size] * block_size + p % block_size; p < 0, a block past the table
     or a negative table entry give -1 (the attention kernel skips it). One launch instead of the torch ops of
-    the backend's conversion (host launch cost). Used only for tiles too large to convert inline (PAGED) without
-    spilling (see INLINE_PAGED_MAX_BLOCK_H)."""
+    the backend's conversion (host launch cost). Used where the attention kernel does not convert inline (PAGED):
+    outside the latency regime, and for tiles too large to do it without spilling (see INLINE_PAGED_MAX_BLOCK_H)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < topk
@@ -793,8 +793,9 @@ def sparse_mla_attention(
             cache's); p < 0, a block past the table's width or a negative table entry is skipped.
             block_table: [num_reqs, max_blocks] int32, rows contiguous; req_id: [>= T] int32 (rows past
             T unread); indices may then have more than T rows (a fixed-address buffer; rows past T are
-            unread). Same result as converting the indices first; the kernel converts each position as it
-            reads it (no launch or allocation of its own).
+            unread). Same result as converting the indices first; for decode-sized calls the kernel converts each
+            position as it reads it (no launch or allocation of its own), otherwise one small launch converts
+            them first (see INLINE_PAGED_MAX_BLOCK_H).
         _fp8_native: testing hook: force (True) or avoid (False) the native e4m3 conversion
             (default: native on sm_89+ and in the interpreter, bit-manipulation on sm_80/86).
 
@@ -912,8 +913,8 @@ class _Plan:
         if config is None:
             config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
         bh, bn = config.block_h, config.block_n
-        # request-local positions: the attention kernel reads the block table itself (inline), or, for the largest
-        # tiles, one small launch converts them to slot ids first
+        # request-local positions: the attention kernel reads the block table itself (inline) in the latency regime
+        # for tiles of up to INLINE_PAGED_MAX_BLOCK_H heads; otherwise one small launch converts them to slot ids first
         self.inline = (paged and INLINE_PAGED and bh <= INLINE_PAGED_MAX_BLOCK_H
                        and latency_regime(T, H, sm_count))
         self.convert = paged and not self.inline

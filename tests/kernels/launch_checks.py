@@ -202,8 +202,8 @@ def test_a_planned_repeat_call_launches_what_the_jit_entry_launches(monkeypatch,
     """sparse_mla_attention plans a call once per (shapes, strides, dtypes, devices): a repeat call launches
     the binaries the first call's launches were specialised to, with the arguments Triton's JIT entry
     passes for that call (1-3 launches: slot conversion outside the latency regime, attention, split merge), past
-    the per-argument key. The request-local
-    case passes q as vLLM's (q_nope, q_pe) pair of strided views, as the backend does."""
+    the per-argument key. The request-local case passes q as vLLM's (q_nope, q_pe) pair of strided views, as the
+    backend does."""
     monkeypatch.setattr(SM, "_device_info", lambda device: ((9, 0), 132))
     g = torch.Generator().manual_seed(T)
     H, topk = 16, 256
