@@ -3,7 +3,9 @@
 The hooks in `sparse_attn_indexer.py` and `v1/attention/backends/mla/indexer.py` call these
 functions instead of `vllm.utils.deep_gemm`'s. They have the same signatures as the wrappers of
 the running vLLM release (0.16.0-0.19.1: `fp8_mqa_logits`, `fp8_paged_mqa_logits`; 0.20.0 on:
-`fp8_fp4_mqa_logits`, `fp8_fp4_paged_mqa_logits`, fp8 query path, `indices=` from 0.28.0) and dispatch per call:
+`fp8_fp4_mqa_logits`, `fp8_fp4_paged_mqa_logits`, fp8 query path, `indices=` from 0.28.0; 0.33.0's
+row-compressed prefill logits as `fp8_fp4_mqa_logits_compressed`, its paged call without `clean_logits`)
+and dispatch per call:
 
 * DeepGEMM when it is usable: installed, on compute capability 9.x/10.x, the portable switch
   (`DSA_OVERLAY_PORTABLE=1`) off, and the indexer head count one DeepGEMM's kernels accept
@@ -11,8 +13,17 @@ the running vLLM release (0.16.0-0.19.1: `fp8_mqa_logits`, `fp8_paged_mqa_logits
 * otherwise the overlay's Triton kernels (`kernels/indexer.py`), which take any head count and
   run on every capability >= 8.0.
 
+One exception: from vLLM 0.33.0 on sm_100, vLLM writes the indexer's K cache with DeepGEMM's MX scales
+(`mqa_logits_use_mx_scales()`: UE8M0 bytes where the Triton kernels read a float32 scale), so there the
+indexer stays on DeepGEMM whatever the switches say (`deep_gemm_format_required`).
+
 `fill_paged_mqa_logits_metadata` replaces the decode builder's DeepGEMM scheduling call; on the
 Triton path it never touches DeepGEMM.
+
+`cuda_dsa_module_supported` gates vLLM 0.29.0+'s CUDA model module for DeepSeek-V3.2 / GLM-5
+(`vllm/models/deepseek_v32/nvidia/`), whose Triton kernels (`common/kernels.py`: `fused_norm_rope`,
+`fused_q`) always store fp8; below sm_89 the hook in `deepseek_v32/__init__.py` serves the generic
+`deepseek_v2` classes instead, as upstream does on CPU and XPU.
 
 `fused_q_quant_supported` gates upstream's fused indexer-query kernel (0.25.0 on:
 `_fused_indexer_q_rope_quant_kernel` in `sparse_attn_indexer.py`, RoPE + fp8 quant in one Triton
@@ -52,12 +63,28 @@ def forced_triton(environ=None) -> bool:
 
 
 def deep_gemm_usable_for(
-    capability_major: int | None, installed: bool, portable: bool, force_triton: bool = False
+    capability_major: int | None, installed: bool, portable: bool, force_triton: bool = False,
+    format_required: bool = False,
 ) -> bool:
-    """Pure part of the decision (unit-tested): may the indexer use DeepGEMM on this device?"""
+    """Pure part of the decision (unit-tested): may the indexer use DeepGEMM on this device?
+    `format_required`: the K cache is in DeepGEMM's MX format (vLLM 0.33.0+ on sm_100), which only
+    DeepGEMM reads; the switches cannot send it elsewhere."""
+    if format_required and installed:
+        return True
     return (
         installed and not portable and not force_triton and capability_major in DEEP_GEMM_MAJORS
     )
+
+
+@functools.cache
+def deep_gemm_format_required() -> bool:
+    """vLLM 0.33.0 on: does the running release keep the indexer's K cache and logits inputs in
+    DeepGEMM's MX format on this device (sm_100)? False for older releases (no such switch)."""
+    try:
+        from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+    except ImportError:
+        return False
+    return bool(mqa_logits_use_mx_scales())
 
 
 @functools.cache
@@ -75,7 +102,8 @@ def use_deep_gemm() -> bool:
         from vllm.utils.deep_gemm import has_deep_gemm
     cap = current_platform.get_device_capability()
     return deep_gemm_usable_for(
-        cap.major if cap else None, has_deep_gemm(), portable_switch(), forced_triton()
+        cap.major if cap else None, has_deep_gemm(), portable_switch(), forced_triton(),
+        deep_gemm_format_required(),
     )
 
 
@@ -100,6 +128,13 @@ def fused_q_quant_supported() -> bool:
     return triton_fp8_store_supported((cap.major, cap.minor) if cap is not None else None)
 
 
+def cuda_dsa_module_supported() -> bool:
+    """At import of `vllm.models.deepseek_v32` (0.29.0+): serve DeepSeek-V3.2 / GLM-5 from upstream's
+    CUDA module? Only on CUDA at sm_89+, where its fp8-storing Triton kernels compile; the same rule
+    as `fused_q_quant_supported`."""
+    return fused_q_quant_supported()
+
+
 def _triton():
     from .kernels import indexer
     return indexer
@@ -117,7 +152,8 @@ def _heads(q) -> int:
 
 
 def _on_deep_gemm(heads: int) -> bool:
-    return use_deep_gemm() and heads in DEEP_GEMM_INDEX_HEADS
+    # MX-format caches (0.33.0+, sm_100) go to DeepGEMM whatever the head count: it says so if it can't.
+    return use_deep_gemm() and (heads in DEEP_GEMM_INDEX_HEADS or deep_gemm_format_required())
 
 
 def _impl(name: str, heads: int):
@@ -133,18 +169,32 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
     )
 
 
+def fp8_fp4_mqa_logits_compressed(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k):
+    """vLLM 0.33.0's prefill logits (its `fp8_fp4_mqa_logits` signature): row-compressed
+    [M, max_seqlen_k], row m holding keys [ks[m], ke[m]) from column 0, the tails unspecified."""
+    if _on_deep_gemm(_heads(q)):
+        return _deep_gemm().fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+    return _triton().fp8_fp4_mqa_logits(
+        q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=False, max_seqlen_k=max_seqlen_k
+    )
+
+
 def fp8_fp4_paged_mqa_logits(
     q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len,
-    clean_logits, indices=None,
+    clean_logits=None, indices=None,
 ):
     """`indices` (0.28.0 on): the request of each flattened varlen decode row, a scheduling hint for
     DeepGEMM's SM100 kernel, passed to DeepGEMM only when given. The Triton kernel does not need it: the
-    flattened rows already carry their own context length and block-table row."""
+    flattened rows already carry their own context length and block-table row. `clean_logits`: passed by
+    0.20.0-0.32.0, not by 0.33.0 (whose DeepGEMM wrapper has no such argument; then it is not passed on)."""
     heads = _heads(q)
-    extra = {"indices": indices} if indices is not None and _on_deep_gemm(heads) else {}
+    on_dg = _on_deep_gemm(heads)
+    extra = {"indices": indices} if indices is not None and on_dg else {}
+    if clean_logits is not None or not on_dg:
+        extra["clean_logits"] = bool(clean_logits)
     return _impl("fp8_fp4_paged_mqa_logits", heads)(
         q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
-        max_model_len=max_model_len, clean_logits=clean_logits, **extra,
+        max_model_len=max_model_len, **extra,
     )
 
 

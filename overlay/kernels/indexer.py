@@ -150,12 +150,14 @@ def _mqa_logits_kernel(
     q_ptr, k_ptr, ksc_ptr, w_ptr, kstart_ptr, kend_ptr, out_ptr,
     M, N, H,
     stride_qm, stride_qh, stride_kn, stride_wm, stride_wh, stride_om,
-    n_per_split, clean,
+    n_per_split, clean, out_width,
     D: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_MODE: tl.constexpr,
+    DOT_MODE: tl.constexpr, COMPRESS: tl.constexpr = False,
 ):
     """Prefill: program (pid_m, pid_s) scores query tokens [pid_m * BT, +BT) against the keys of
-    split pid_s ([pid_s * n_per_split, +n_per_split)) that lie in the union of the tokens' ranges."""
+    split pid_s ([pid_s * n_per_split, +n_per_split)) that lie in the union of the tokens' ranges.
+    COMPRESS (DeepGEMM's layout from vLLM 0.33.0): token m's key n goes to column n - ks[m] of an
+    `out_width`-wide row and only [ks[m], ke[m]) is written; otherwise to column n (width N)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     m0 = pid_m * BT
@@ -186,6 +188,9 @@ def _mqa_logits_kernel(
                 other=0.0).to(tl.float32)
 
     out_rows = out_ptr + toks.to(tl.int64)[None, :] * stride_om
+    if COMPRESS:  # row m's column 0 is key ks[m]; keys past ks[m] + out_width are cut
+        out_rows -= ks[None, :]
+        ke_out = tl.minimum(ke, ks + out_width)
     rn = tl.arange(0, BLOCK_N)
     for n0 in range(c_lo, c_hi, BLOCK_N):
         n = n0 + rn
@@ -196,7 +201,11 @@ def _mqa_logits_kernel(
         logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, BT, HP) * ksc[:, None]
         valid = (n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :])
         logits = tl.where(valid, logits, float("-inf"))
-        tl.store(out_rows + n[:, None], logits, mask=n_ok[:, None] & tok_ok[None, :])
+        if COMPRESS:
+            tl.store(out_rows + n[:, None], logits,
+                     mask=valid & (n[:, None] < ke_out[None, :]) & tok_ok[None, :])
+        else:
+            tl.store(out_rows + n[:, None], logits, mask=n_ok[:, None] & tok_ok[None, :])
 
     if clean:
         # -inf over the split's columns no token of this group can see.
@@ -408,7 +417,8 @@ class PrefillConfig:
     HP: index heads padded to a power of two >= 16 (masked); BT: query tokens per program, so one
     MMA is [BLOCK_N, D] x [D, BT * HP]; BLOCK_N: keys per tile; DOT_MODE: how the MMA multiplies
     (DOT_FP8 / DOT_BF16 / DOT_FP32 / DOT_BYTES_FP32); num_warps, num_stages: Triton launch options;
-    splits: programs over the keys (None: the launcher aims for 4 programs per SM).
+    splits: programs over the keys (None: the launcher aims for 4 programs per SM); COMPRESS: row-compressed
+    output (`max_seqlen_k=`, vLLM 0.33.0 on).
     """
 
     HP: int
@@ -418,10 +428,12 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     splits: int | None = None
+    COMPRESS: bool = False
 
     def constexprs(self) -> dict:
         """The kernel's constexpr arguments (but D)."""
-        return dict(HP=self.HP, BT=self.BT, BLOCK_N=self.BLOCK_N, DOT_MODE=self.DOT_MODE)
+        return dict(HP=self.HP, BT=self.BT, BLOCK_N=self.BLOCK_N, DOT_MODE=self.DOT_MODE,
+                    COMPRESS=bool(self.COMPRESS))
 
 
 @dataclass(frozen=True)
@@ -584,11 +596,13 @@ def launch_configs(capability) -> list[tuple[str, PrefillConfig | DecodeConfig]]
     """Every (kernel name, config) the launchers can pick on `capability`: all head counts up to
     MAX_HEADS, every next_n (next_n > 2 reuses T = 2), small and large decode tiles, and on sm_90
     the scale-prefetching decode variant (SCALES_AHEAD; the default there for the large tile).  Used
-    by the cross-compile test to check shared memory and spills."""
+    by the cross-compile test to check shared memory and spills.  Prefill comes in both output layouts
+    (full rows, and COMPRESS for vLLM 0.33.0's row-compressed logits)."""
     out = []
     hp = 16
     while hp <= MAX_HEADS:
-        cands = [("prefill", prefill_config(capability, hp))]
+        pre = prefill_config(capability, hp)
+        cands = [("prefill", pre), ("prefill", replace(pre, COMPRESS=True))]
         for n in (1, 2):
             for batch in (1, None):
                 cfg = decode_config(capability, hp, n, batch, 1, 1)
@@ -686,6 +700,7 @@ def fp8_mqa_logits(
     cu_seqlen_ke: torch.Tensor,
     clean_logits: bool,
     *,
+    max_seqlen_k: int | None = None,
     _config: dict | PrefillConfig | None = None,
     _out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -703,13 +718,17 @@ def fp8_mqa_logits(
             (ks >= ke); they are clipped to [0, N).
         clean_logits: True: every position outside [ks[m], ke[m]) is -inf.  False (what vLLM
             passes): positions outside the range are unspecified (vLLM's top-k reads only the range).
+        max_seqlen_k: None, or DeepGEMM's row-compressed layout (vLLM 0.33.0 on): the result is
+            [M, max_seqlen_k], row m holds keys [ks[m], ke[m]) from column 0 and the rest of the row
+            is unspecified; every range must fit (ke - ks <= max_seqlen_k; longer ones are cut).
+            clean_logits must be False then.
 
     Returns:
         logits: [M, N] float32, logits[m, n] = k_scales[n] * sum_h weights[m, h] *
-        relu(q[m, h] . k[n]) for ks[m] <= n < ke[m].
+        relu(q[m, h] . k[n]) for ks[m] <= n < ke[m] (compressed: logits[m, n - ks[m]]).
 
     `_config` (a PrefillConfig, or a dict of its fields to override in the default) and `_out` (a
-    preallocated [M, N] float32 result) are for tests and benchmarks.
+    preallocated [M, N] or [M, max_seqlen_k] float32 result) are for tests and benchmarks.
     """
     k, k_scales = kv
     if q.dim() != 3:
@@ -744,11 +763,20 @@ def fp8_mqa_logits(
     ks = cu_seqlen_ks.to(torch.int32).contiguous()
     ke = cu_seqlen_ke.to(torch.int32).contiguous()
 
-    logits = _result(_out, (M, N), q.device)
-    if M == 0 or N == 0:
+    if max_seqlen_k is not None:
+        if clean_logits:
+            _fail("clean_logits=True has no meaning with max_seqlen_k (the compressed rows' tails are "
+                  "never read)")
+        if int(max_seqlen_k) < 0:
+            _fail(f"max_seqlen_k must be >= 0, got {max_seqlen_k}")
+    width = N if max_seqlen_k is None else int(max_seqlen_k)
+    logits = _result(_out, (M, width), q.device)
+    if M == 0 or N == 0 or width == 0:
         return logits
     capability, num_sms = _device_info(q.device)
     cfg = _with_overrides(prefill_config(capability, H), _config)
+    if max_seqlen_k is not None:
+        cfg = replace(cfg, COMPRESS=True)
     bn, bt = cfg.BLOCK_N, cfg.BT
     m_groups = _cdiv(M, bt)
     n_tiles = _cdiv(N, bn)
@@ -762,7 +790,7 @@ def fp8_mqa_logits(
         M, N, H,
         q.stride(0), q.stride(1), k.stride(0), weights.stride(0), weights.stride(1),
         logits.stride(0),
-        n_per_split, int(bool(clean_logits)),
+        n_per_split, int(bool(clean_logits)), width,
         D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return logits
@@ -774,14 +802,18 @@ def fp8_fp4_mqa_logits(
     weights: torch.Tensor,
     cu_seqlen_ks: torch.Tensor,
     cu_seqlen_ke: torch.Tensor,
-    clean_logits: bool,
+    clean_logits: bool = False,
+    *,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """vLLM 0.23.0 name of `fp8_mqa_logits`: q is (q_values [M, H, D] float8_e4m3fn, None).
 
     A packed MXFP4 query (int8/uint8 values, or a non-None q scale) or MXFP4 keys raise
-    NotImplementedError.  Everything else as `fp8_mqa_logits`.
+    NotImplementedError.  Everything else as `fp8_mqa_logits` (`max_seqlen_k`: vLLM 0.33.0's
+    row-compressed result).
     """
-    return fp8_mqa_logits(_unpack_q(q, "q"), kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
+    return fp8_mqa_logits(_unpack_q(q, "q"), kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
+                          max_seqlen_k=max_seqlen_k)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -987,7 +1019,7 @@ def fp8_fp4_paged_mqa_logits(
     block_tables: torch.Tensor,
     schedule_metadata: torch.Tensor | None,
     max_model_len: int,
-    clean_logits: bool,
+    clean_logits: bool = False,
 ) -> torch.Tensor:
     """vLLM 0.23.0 name of `fp8_paged_mqa_logits`: q is (q_values [B, next_n, H, D]
     float8_e4m3fn, None); context_lens [B], [B, 1] or [B, next_n].

@@ -22,6 +22,14 @@ def test_deep_gemm_usable_for(major, installed, portable, usable):
     assert ix.deep_gemm_usable_for(major, installed, portable) is usable
 
 
+@pytest.mark.parametrize("major, portable, force", [(10, True, False), (10, False, True), (10, False, False)])
+def test_mx_format_cache_keeps_deep_gemm(major, portable, force):
+    """vLLM 0.33.0 on sm_100 writes the indexer cache in DeepGEMM's MX format: neither switch moves it off
+    DeepGEMM (the Triton kernels would read UE8M0 bytes as float32 scales); nothing to use without DeepGEMM."""
+    assert ix.deep_gemm_usable_for(major, True, portable, force, format_required=True)
+    assert not ix.deep_gemm_usable_for(major, False, portable, force, format_required=True)
+
+
 def test_forced_triton_switch():
     assert not ix.forced_triton({}) and not ix.forced_triton({"DSA_OVERLAY_INDEXER": "auto"})
     assert ix.forced_triton({"DSA_OVERLAY_INDEXER": " Triton "})
@@ -144,6 +152,38 @@ def test_varlen_indices_reach_deep_gemm_only(fakes, monkeypatch, heads, deep_gem
                            ["clean_logits", "max_model_len"]]
 
 
+@pytest.mark.parametrize("heads, deep_gemm_ok, mx", [(32, True, False), (8, True, False), (32, False, False),
+                                                     (8, True, True)])
+def test_compressed_prefill_dispatch(fakes, monkeypatch, heads, deep_gemm_ok, mx):
+    """0.33.0's prefill call (max_seqlen_k in sixth place, row-compressed result): DeepGEMM gets its own
+    0.33 signature, the Triton kernel `max_seqlen_k=` and clean_logits=False; an MX-format cache (sm_100)
+    stays on DeepGEMM whatever the head count."""
+    dg, tr = fakes
+    _use(monkeypatch, deep_gemm_ok)
+    monkeypatch.setattr(ix, "deep_gemm_format_required", lambda: mx)
+    q = torch.zeros(4, heads, 128)
+    got = ix.fp8_fp4_mqa_logits_compressed((q, None), "kv", "w", "ks", "ke", 96)
+    on_dg = deep_gemm_ok and (heads in ix.DEEP_GEMM_INDEX_HEADS or mx)
+    assert got == ("deep_gemm" if on_dg else "triton")
+    used, other = (dg, tr) if on_dg else (tr, dg)
+    assert used.calls == ["fp8_fp4_mqa_logits"] and other.calls == []
+    assert used.kwargs == [[] if on_dg else ["clean_logits", "max_seqlen_k"]]
+
+
+@pytest.mark.parametrize("heads, deep_gemm_ok", [(32, True), (8, True), (32, False)])
+def test_paged_call_without_clean_logits(fakes, monkeypatch, heads, deep_gemm_ok):
+    """0.33.0's paged call has no clean_logits: DeepGEMM's 0.33 wrapper gets none (it has no such argument),
+    the Triton kernel gets clean_logits=False."""
+    dg, tr = fakes
+    _use(monkeypatch, deep_gemm_ok)
+    q = torch.zeros(3, 1, heads, 128)
+    rows = torch.tensor([0, 0, 1], dtype=torch.int32)
+    ix.fp8_fp4_paged_mqa_logits((q, None), None, None, None, None, None, max_model_len=64, indices=rows)
+    on_dg = deep_gemm_ok and heads in ix.DEEP_GEMM_INDEX_HEADS
+    used = dg if on_dg else tr
+    assert used.kwargs == [["indices", "max_model_len"] if on_dg else ["clean_logits", "max_model_len"]]
+
+
 # --- the fused indexer-query kernel's capability gate (0.25.0 on) ---------------------------------
 
 
@@ -171,6 +211,8 @@ def _platform(monkeypatch, cuda: bool, cap):
 def test_fused_q_quant_supported_reads_the_platform(monkeypatch, cuda, cap, ok):
     _platform(monkeypatch, cuda, cap)
     assert ix.fused_q_quant_supported() is ok
+    # 0.29.0+: upstream's CUDA DSA module stores fp8 from Triton in every call (fused_norm_rope, fused_q)
+    assert ix.cuda_dsa_module_supported() is ok
 
 
 _FP8_STORE_KERNEL = '''

@@ -114,6 +114,51 @@ def test_prefill_tiles_splits_and_dot_modes(mode, cfg):
     C.check_logits(out, case.ref(), TOL, True, f"prefill {case.what} {cfg} mode={mode}")
 
 
+def _compress_ref(case: C.PrefillCase, width: int):
+    """DeepGEMM's row-compressed layout (vLLM 0.33.0) made from the full reference: row m holds keys
+    [ks, ke) (clipped to [0, N)) from column 0; NaN where the kernel must not write."""
+    full, mag = case.ref()
+    M, N = full.shape
+    ref = torch.full((M, width), float("nan"), dtype=full.dtype)
+    rmag = torch.ones((M, width), dtype=mag.dtype)
+    for m in range(M):
+        lo, hi = max(int(case.ks[m]), 0), min(int(case.ke[m]), N)
+        n = max(0, min(hi - lo, width))
+        ref[m, :n], rmag[m, :n] = full[m, lo:lo + n], mag[m, lo:lo + n]
+    return ref, rmag
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("H,M,N,seed,extra,cfg", [
+    (4, 19, 250, 21, 0, dict(splits=7)),          # width = the longest range exactly, split over the keys
+    (32, 9, 130, 22, 37, dict()),                  # a wider buffer than needed: the tail stays untouched
+    (1, 13, 77, 23, 0, dict(BT=1, BLOCK_N=16)),
+    (64, 6, 300, 24, -40, dict(BT=2, splits=3)),   # narrower than the longest range: ranges are cut
+])
+def test_prefill_compressed_rows(mode, H, M, N, seed, extra, cfg):
+    """vLLM 0.33.0's `fp8_fp4_mqa_logits(..., max_seqlen_k)`: [M, max_seqlen_k] rows, row m holding keys
+    [ks[m], ke[m]) from column 0; nothing written past each row's range (the NaN poison stays), empty and
+    odd ranges included."""
+    case = C.prefill_case(seed, M, N, H)
+    lens = (torch.minimum(case.ke, torch.tensor(N)) - torch.clamp(case.ks, min=0)).clamp(min=0)
+    width = int(lens.max()) + extra
+    assert width > 0
+    out = ix.fp8_fp4_mqa_logits((case.q, None), (case.k, case.k_scales), case.w, case.ks, case.ke,
+                                max_seqlen_k=width)
+    assert out.shape == (M, width) and out.dtype == torch.float32
+    ref = _compress_ref(case, width)
+    out = ix.fp8_mqa_logits(case.q, (case.k, case.k_scales), case.w, case.ks, case.ke, False,
+                            max_seqlen_k=width, _out=C.poisoned((M, width)), _config=dict(cfg, DOT_MODE=mode))
+    C.check_logits(out, ref, TOL, False, f"compressed {case.what} width={width} {cfg} mode={mode}")
+    assert torch.equal(torch.isnan(out), torch.isnan(ref[0])), "written outside the rows' ranges"
+
+
+def test_prefill_compressed_refuses_clean_logits():
+    case = C.prefill_case(25, 3, 20, 2)
+    with pytest.raises(ValueError, match="clean_logits=True"):
+        ix.fp8_mqa_logits(case.q, (case.k, case.k_scales), case.w, case.ks, case.ke, True, max_seqlen_k=20)
+
+
 def test_prefill_strided_keys_and_scale_shape():
     """vLLM hands k as a slice of a workspace and the scales as a [N, 1]-shaped view."""
     case = C.prefill_case(12, 7, 90, 32)
