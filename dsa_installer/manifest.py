@@ -32,9 +32,16 @@ DROPIN_ROOT = "vllm/_dsa_overlay"
 FAMILIES = "families"  # patches/families/<name>/: diffs shared by the releases whose manifest names <name>
 # Releases that get a real `pip install vllm==X` venv in CI (.ci/run, tests/vllm_envs.py), at least one per
 # family (tests/engine/test_patch_sets.py checks it; 0.20.0 for the 0.20-0.23 family's shared hunks, 0.23.0 for
-# its overrides); every supported release gets the pristine-wheel tests whether or not it is listed here.
-# A release listed before its patch set ships fails its real-venv tests (0.25.1, 0.26.0 until theirs land).
-VENV_RELEASES = ("0.16.0", "0.18.1", "0.19.1", "0.20.0", "0.23.0", "0.25.1", "0.26.0", "0.27.0", "0.28.0")
+# its overrides; 0.28.0 for the 0.26 family's torch-2.13 releases; 0.31.0 for 0.29-0.31, 0.33.0 for 0.32-0.33 and
+# 0.33's own indexer diff); every supported release gets the pristine-wheel tests whether or not it is listed here.
+# A release listed before its patch set ships fails its real-venv tests. .ci/run deletes cached venvs of releases
+# no longer listed (the cache budget).
+VENV_RELEASES = ("0.16.0", "0.18.1", "0.19.1", "0.20.0", "0.23.0", "0.25.1", "0.26.0", "0.28.0", "0.31.0", "0.33.0")
+# Venvs that get another torch than the release pins: 0.33.0 pins torch 2.14.0, which PyPI serves only as a CUDA
+# build (~5.5 GB with its CUDA libraries, over the CI cache budget); CI machines serve torch 2.13.0's CPU build from
+# disk, and the CPU tests run no torch CUDA code. .ci/run installs vLLM without dependencies, then its
+# requirements with this torch in the pinned one's place.
+VENV_TORCH_SUBSTITUTE = {"0.33.0": "2.13.0"}
 _FAMILY = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

@@ -157,6 +157,7 @@ class TritonMLASparseMetadata(AttentionMetadata):
     num_decodes: int = 0
     num_prefills: int = 0
     num_decode_tokens: int = 0
+    decode_max_query_len: int = 0   # 0.30+
     seq_lens: torch.Tensor | None = None
     prefill_max_seq_len: int = 0
     prefill: object | None = None  # MLACommonPrefillMetadata

@@ -17,6 +17,9 @@ candidates: upstream's where one validates (FLASHMLA_SPARSE on 9.x/10.x, from 0.
 FLASHINFER_MLA_SPARSE_SM120 on 12.x for fp8 caches at index_topk 2048, ...), TRITON_MLA_SPARSE
 otherwise; the portable switch and the explicit choice give TRITON_MLA_SPARSE everywhere.
 
+From 0.29.0 a second table says which model code serves DeepSeek-V3.2 / GLM-5 per capability (the hook in
+`vllm/models/deepseek_v32/__init__.py`: upstream's CUDA module from sm_89, the generic classes below).
+
 On a machine without a GPU some upstream candidates cannot even be imported (FlashInfer allocates
 a CUDA tensor at import). When upstream's own loop fails that way, the row shows the first
 candidate that validates, marked "(by validation)".
@@ -193,9 +196,38 @@ class SelectionTableError(RuntimeError):
     pass
 
 
+DSA_MODEL_PACKAGE = "vllm.models.deepseek_v32"   # 0.29.0+: DeepSeek-V3.2 / GLM-5 model code by platform
+DSA_MODEL_HOOK = "_dsa_ix.cuda_dsa_module_supported()"
+
+
+def model_module_report(capabilities=CAPABILITIES) -> tuple[str, list[str]]:
+    """0.29.0+: which model code serves DeepSeek-V3.2 / GLM-5 at each capability (upstream's CUDA module,
+    whose Triton kernels store fp8, from sm_89; the generic deepseek_v2 classes below), read from the
+    hooked `deepseek_v32/__init__.py` without importing it (its CUDA branch imports upstream's CUDA
+    kernels). ("", []) for releases without that package; a problem when the hook is missing."""
+    import importlib.util
+
+    from .indexer_ops import triton_fp8_store_supported
+
+    spec = importlib.util.find_spec(DSA_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        return "", []
+    with open(spec.origin, encoding="utf-8") as f:
+        if DSA_MODEL_HOOK not in f.read():
+            return "", [f"{spec.origin}: the model-module hook ({DSA_MODEL_HOOK}) is missing; re-run apply"]
+    lines = ["| cc | DeepSeek-V3.2 / GLM-5 model code |", "|---|---|"]
+    for cap in capabilities:
+        code = ("upstream CUDA module (deepseek_v32/nvidia)" if triton_fp8_store_supported(cap)
+                else "generic deepseek_v2 classes (upstream's fp8-storing Triton kernels need sm_89+)")
+        lines.append(f"| {cap[0]}.{cap[1]} | {code} |")
+    return "\n".join(lines), []
+
+
 def report() -> str:
-    """verify.py's hook: the markdown table; raises (one line per problem) when a row is wrong."""
+    """verify.py's hook: the markdown table(s); raises (one line per problem) when a row is wrong."""
     rep = selection_report()
-    if not rep.ok:
-        raise SelectionTableError("; ".join(rep.problems))
-    return str(rep)
+    models, problems = model_module_report()
+    problems = rep.problems + problems
+    if problems:
+        raise SelectionTableError("; ".join(problems))
+    return str(rep) + ("\n\n" + models if models else "")

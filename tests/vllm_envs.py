@@ -26,6 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 VENVS = Path(os.environ.get("DSA_OVERLAY_VLLM_VENVS", Path.home() / ".cache" / "dsa-overlay" / "venvs"))
 
 
+def release(version: str) -> tuple[int, ...]:
+    """"0.29.0" -> (0, 29, 0), for comparing releases in tests."""
+    return tuple(int(x) for x in version.split("."))
+
+
 def venv(version: str) -> Path | None:
     """The complete venv holding vLLM `version`, or None."""
     v = VENVS / f"vllm-{version}"

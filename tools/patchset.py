@@ -215,7 +215,8 @@ def _gives(diff: Path, pristine: bytes, edited: bytes) -> bool:
 
 
 def _diff_name(target: str, taken: set[str]) -> str:
-    name = Path(target).stem + ".diff"
+    path = Path(target)
+    name = (path.parent.name if path.name == "__init__.py" else path.stem) + ".diff"  # a package by its name
     return name if name not in taken else target.removeprefix("vllm/").replace("/", "_").removesuffix(".py") + ".diff"
 
 

@@ -20,10 +20,6 @@ from tests import vllm_envs
 pytestmark = pytest.mark.xdist_group("vllm-venvs")  # one worker: the probe and verify runs are shared per release
 
 
-def _release(version):
-    return tuple(int(x) for x in version.split("."))
-
-
 PROBE = r"""
 import json, sys, traceback
 out = {}
@@ -65,6 +61,10 @@ def _():
     # the hook's one INFO line (vLLM's own logging, VLLM_LOGGING_LEVEL=INFO) between two markers on stdout
     import inspect
     from vllm._dsa_overlay import verify_hooks as v
+    import vllm.logger
+    if hasattr(vllm.logger, "configure_logging_if_needed"):  # 0.33+: the engine configures logging, not the import
+        from vllm.config.logging import LoggingConfig
+        vllm.logger.configure_logging_if_needed(LoggingConfig())
     platform = v._platform_at((8, 6))
     kwargs = {"num_heads": 64} if "num_heads" in inspect.signature(platform.get_attn_backend_cls).parameters else {}
     for f in (sys.stdout, sys.stderr):
@@ -93,7 +93,7 @@ def run_probe(version, tmp_path_factory):
     PROBE in the release's interpreter, once per release."""
     if version not in _PROBES:
         python, root, env = vllm_envs.shared_site(version, tmp_path_factory)
-        mode = "old-bases" if _release(version) < (0, 26, 0) else "shared-bases"
+        mode = "old-bases" if vllm_envs.release(version) < (0, 26, 0) else "shared-bases"
         proc = subprocess.run([str(python), "-c", PROBE, mode, BUILDER_IMPL],
                               env=dict(env, VLLM_LOGGING_LEVEL="INFO", DSA_OVERLAY_PORTABLE="0"),
                               capture_output=True, text=True, timeout=600, cwd=str(root))
@@ -151,7 +151,7 @@ def table(request, tmp_path_factory):
 
 
 def test_selection_table(table):
-    _, rows = table
+    version, rows = table
     for cc in ("8.0", "8.6", "8.9"):
         for kv in ("auto", "bfloat16", "fp8_ds_mla"):
             assert rows[cc, kv, 2048]["default"] == "TRITON_MLA_SPARSE", rows
@@ -162,14 +162,18 @@ def test_selection_table(table):
         assert rows["9.0", kv, 2048]["explicit"] == "TRITON_MLA_SPARSE"
         assert rows["9.0", kv, 2048]["portable"] == "TRITON_MLA_SPARSE"
         assert rows["9.0", kv, 2048]["default"].startswith("FLASHMLA_SPARSE")
-        assert rows["9.0", kv, 200]["default"] == "TRITON_MLA_SPARSE"  # FlashMLA needs index_topk % 128 == 0
+        # FlashMLA needs index_topk % 128 == 0; from 0.30.0 upstream's FlashInfer SM90 sparse backend takes the
+        # bf16 caches at any top-k (the policy keeps upstream's where one validates)
+        sm90_flashinfer = vllm_envs.release(version) >= (0, 30, 0) and kv != "fp8_ds_mla"
+        assert rows["9.0", kv, 200]["default"] == ("FLASHINFER_MLA_SPARSE_SM90" if sm90_flashinfer
+                                                   else "TRITON_MLA_SPARSE")
 
 
 def _sm12x_expected(version, kv, topk):
     """Hand-written: from 0.24.0 the wheel's SM12x list has FLASHINFER_MLA_SPARSE_SM120, which takes the caches it
     stores as fp8_ds_mla (auto, fp8_ds_mla here) at index_topk 2048; before 0.24.0 SM12x has no upstream sparse
     backend. Everything else on SM12x is TRITON_MLA_SPARSE."""
-    new = _release(version) >= (0, 24, 0)
+    new = vllm_envs.release(version) >= (0, 24, 0)
     return "FLASHINFER_MLA_SPARSE_SM120" if new and kv in ("auto", "fp8_ds_mla") and topk == 2048 \
         else "TRITON_MLA_SPARSE"
 
@@ -254,13 +258,13 @@ RESULT["builder_impl"] = {"req_ids": md.req_id_per_token[:4].tolist(), "tail": i
 """
 
 
-OLD_BASES = [v for v in manifest.VENV_RELEASES if _release(v) < (0, 26, 0)]
+OLD_BASES = [v for v in manifest.VENV_RELEASES if vllm_envs.release(v) < (0, 26, 0)]
 
 
 @pytest.mark.parametrize("version", OLD_BASES)
 def test_builder_and_impl_with_standin_kernel(version, tmp_path_factory):
     """0.16-0.25 (SparseMLAAttentionImpl bases; the builder does the whole step itself). 0.26's shared
-    builder and impl: tests/backend/test_vllm_026_family.py."""
+    builder and impl: tests/backend/test_vllm_sparse_bases.py."""
     r = part(run_probe(version, tmp_path_factory), "builder_impl")
     assert r["req_ids"] == [0, 1, 1, 1] and r["tail"] == 0
     assert r["shape"] == [4, 5, 512] and r["lse"] is None

@@ -1,7 +1,7 @@
-"""vLLM 0.26.0, 0.27.0 and 0.28.0 patched on CPU (hard-linked copies of the real venvs, tests/vllm_envs.py): the patch
-set's hooks import and reach the overlay, and TRITON_MLA_SPARSE runs on the 0.26 family's sparse bases
-(`SparseMLACommonMetadataBuilder` / `SparseMLACommonImpl`) through the REAL builder and impl, kernels in
-the Triton interpreter, against a dense float64 reference that never reads the paged cache.
+"""vLLM 0.26.0 and later (0.26.0, 0.28.0, 0.31.0, 0.33.0: a venv per family) patched on CPU (hard-linked copies of the
+real venvs, tests/vllm_envs.py): the patch set's hooks import and reach the overlay, and TRITON_MLA_SPARSE runs on the
+sparse bases these releases share (`SparseMLACommonMetadataBuilder` / `SparseMLACommonImpl`) through the REAL builder
+and impl, kernels in the Triton interpreter, against a dense float64 reference that never reads the paged cache.
 
 0.26's MLAAttention.forward_impl sends the first `num_decode_tokens` tokens to `forward_mqa` and, when
 `prefill_max_seq_len <= topk_tokens` and a dense prefill backend exists, the prefills to dense MHA;
@@ -9,11 +9,17 @@ otherwise every token to `forward_mqa`. The tests build the metadata with the re
 `forward_mqa` exactly those slices; a stand-in prefill backend receives the dense-MHA prefill metadata
 the shared builder makes (the dense-MHA prefill itself is upstream's CUDA code: GPU only). 0.27.0 adds a masked-MHA
 prefill to the same bases for sm_100 with FlashAttention 4 only (`_is_masked_mha_available`); elsewhere its split is
-0.26's.
+0.26's. 0.30 adds `decode_max_query_len` to the metadata, 0.31 index groups (the impl registers with the group of
+its top-k buffer; upstream converts indices once per group, the Triton kernel converts them itself), 0.32 a Triton
+token-to-request kernel in the builder (run by the interpreter here).
 
-The 0.27.0 and 0.28.0 venvs hold torch 2.13.0's CPU build (the wheel this machine serves; .ci/run), without the
-libtorch_cuda.so / libc10_cuda.so vLLM's CUDA extensions link against: the stub directory (dsa_installer/cudastub.py)
-supplies both there, so `vllm.platforms.cuda` imports as with a CUDA torch.
+From 0.29.0 vLLM serves DeepSeek-V3.2 / GLM-5 on CUDA from `vllm/models/deepseek_v32/nvidia/`, whose Triton kernels
+store fp8 (sm_89+ only): the hook routes sm_80/86 to the generic deepseek_v2 classes (test_dsa_model_module_by_capability).
+
+The venvs from 0.28.0 on hold torch 2.13.0's CPU build (the wheel this machine serves; .ci/run; 0.33.0 pins 2.14.0,
+see manifest.VENV_TORCH_SUBSTITUTE), without the libtorch_cuda.so / libc10_cuda.so vLLM's CUDA extensions link
+against: the stub directory (dsa_installer/cudastub.py) supplies both there, so `vllm.platforms.cuda` imports as with
+a CUDA torch.
 """
 
 import pytest
@@ -21,7 +27,7 @@ import pytest
 from tests import vllm_envs
 from tests.backend.test_dsa_integration import run_json
 
-VERSIONS = ("0.26.0", "0.27.0", "0.28.0")
+VERSIONS = ("0.26.0", "0.28.0", "0.31.0", "0.33.0")
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -54,14 +60,82 @@ print(json.dumps({
     "gate": [ix.triton_fp8_store_supported(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))],
 }))
 """)
-    # 0.27.0 / 0.28.0 on torch's CPU build: the stub libtorch_cuda.so made vllm.platforms.cuda importable above
-    assert out.pop("cpu_torch") == (request.node.callspec.params["staged"] in ("0.27.0", "0.28.0"))
+    # 0.28.0 on, torch's CPU build: the stub libtorch_cuda.so made vllm.platforms.cuda importable above
+    assert out.pop("cpu_torch") == (request.node.callspec.params["staged"] != "0.26.0")
     assert out == {"backend": "TRITON_MLA_SPARSE", "shared": True, "impl_base": True, "builder_base": True,
                    "ix": "vllm._dsa_overlay.indexer_ops", "select_hook": True, "meta_hook": True,
                    "gate_hook": True, "gate": [False, False, True, True, True]}
 
 
+def test_later_hooks_reach_the_overlay(staged, request):
+    """0.29.0+: the model-module hook; 0.32.0+: the draft-decode schedule hook (a second DeepGEMM call upstream);
+    0.33.0: the row-compressed prefill logits call. Each present exactly from its release on, and nothing of
+    DeepGEMM's left on those paths."""
+    version = vllm_envs.release(request.node.callspec.params["staged"])
+    out = run_json(staged, """
+import inspect
+import vllm.model_executor.layers.sparse_attn_indexer as sai
+import vllm.v1.attention.backends.mla.indexer as mix
+from vllm._dsa_overlay import verify_hooks as vh
+src_ix, src_sai = inspect.getsource(mix), inspect.getsource(sai.sparse_attn_indexer)
+models, problems = vh.model_module_report()
+print(json.dumps({
+    "model_hook": bool(models) and not problems,
+    "schedule_hooks": src_ix.count("_dsa_ix.fill_paged_mqa_logits_metadata("),
+    "deep_gemm_schedule_calls": src_ix.count("= get_paged_mqa_logits_metadata("),
+    "compressed_hook": "_dsa_ix.fp8_fp4_mqa_logits_compressed(" in src_sai,
+    "upstream_logits_calls": src_sai.count(" fp8_fp4_mqa_logits(") + src_sai.count(" fp8_fp4_paged_mqa_logits("),
+}))
+""")
+    assert out == {"model_hook": version >= (0, 29, 0),
+                   "schedule_hooks": 2 if version >= (0, 32, 0) else 1,
+                   "deep_gemm_schedule_calls": 0,
+                   "compressed_hook": version >= (0, 33, 0),
+                   "upstream_logits_calls": 0}, out
+
+
+MODEL_MODULE = """
+import sys, types
+import vllm.platforms as P
+from vllm._dsa_overlay.verify_hooks import _platform_at
+P._current_platform = _platform_at(CAP)()
+# Upstream's CUDA module imports FlashInfer and cuteDSL kernels that need a GPU: stand-ins record that the CUDA
+# branch was taken (this test is about which branch, not about that module).
+sentinels = {}
+for name, classes in ((".nvidia.model", ("DeepseekV32ForCausalLM",)), (".nvidia.mtp", ("DeepseekV32MTP",))):
+    mod = types.ModuleType("vllm.models.deepseek_v32" + name)
+    for c in classes:
+        setattr(mod, c, type(c, (), {}))
+        sentinels[c] = getattr(mod, c)
+    sys.modules[mod.__name__] = mod
+import vllm.models.deepseek_v32 as m
+import vllm.model_executor.models.deepseek_v2 as v2
+print(json.dumps({"cuda_module": m.GlmMoeDsaForCausalLM is sentinels["DeepseekV32ForCausalLM"],
+                  "generic": m.GlmMoeDsaForCausalLM is v2.GlmMoeDsaForCausalLM
+                             and m.DeepseekV32ForCausalLM is v2.DeepseekV3ForCausalLM,
+                  "mtp_generic": m.DeepseekV32MTP.__module__ == "vllm.model_executor.models.deepseek_mtp"}))
+"""
+
+
+@pytest.mark.parametrize("version", [v for v in VERSIONS if vllm_envs.release(v) >= (0, 29, 0)])
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)])
+def test_dsa_model_module_by_capability(version, cap, tmp_path_factory):
+    """0.29.0+ serves DeepSeek-V3.2 / GLM-5 from `vllm/models/deepseek_v32/nvidia/` on CUDA, whose Triton kernels
+    store fp8 (Triton refuses that below sm_89): with the hook, sm_80/86 get the generic deepseek_v2 classes (and
+    the generic MTP), sm_89+ keep upstream's CUDA module."""
+    out = run_json(vllm_envs.shared_site(version, tmp_path_factory), MODEL_MODULE.replace("CAP", repr(cap)))
+    cuda = cap >= (8, 9)
+    assert out == {"cuda_module": cuda, "generic": not cuda, "mtp_generic": not cuda}, (cap, out)
+
+
 BACKEND = """
+# 0.32+: the shared builder maps tokens to requests with a Triton kernel (vllm/v1/attention/ops/metadata.py).
+# vLLM disables Triton where it finds no active GPU driver (placeholders instead of triton.jit); the
+# interpreter (TRITON_INTERPRET=1) runs it here, so vLLM's modules are given the real Triton before they import.
+import triton, triton.language
+import vllm.triton_utils as triton_utils
+if not triton_utils.HAS_TRITON:
+    triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, triton.language, True
 import vllm.utils.torch_utils as torch_utils
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm._dsa_overlay import triton_mla_sparse as tms
@@ -70,7 +144,7 @@ from vllm._dsa_overlay.kernels import sparse_mla as K
 # The shared builder pins host memory (PIN_MEMORY; pin_memory=True in build_mla_chunked_context_metadata):
 # no driver to pin it with on this machine, so pinning is dropped; nothing else changes.
 torch_utils.PIN_MEMORY = False
-for _name in ("empty", "zeros"):
+for _name in ("empty", "zeros", "tensor"):   # tensor: 0.32 pins the chunked-context lengths
     def _unpinned(*a, _f=getattr(torch, _name), pin_memory=False, **kw):
         return _f(*a, **kw)
     setattr(torch, _name, _unpinned)
@@ -79,6 +153,10 @@ for _name in ("empty", "zeros"):
 import vllm.model_executor.layers.attention.sparse_mla_attention as _sma
 if hasattr(_sma, "get_tensor_model_parallel_world_size"):
     _sma.get_tensor_model_parallel_world_size = lambda: 1
+# 0.31's impl registers its layer with the index group of the shared top-k buffer, reading the engine's config
+# (set in context by an engine): the stand-in config below, host-offloaded sparse KV off.
+if hasattr(_sma, "get_current_vllm_config"):
+    _sma.get_current_vllm_config = lambda: vllm_config(PrefillBackend())
 
 assert type(K._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
 assert tms.SHARED_SPARSE_BASES
@@ -104,7 +182,8 @@ def vllm_config(prefill_backend):
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=8),
         cache_config=types.SimpleNamespace(block_size=BS, cache_dtype="auto"),
         speculative_config=None,
-        attention_config=types.SimpleNamespace(sparse_mla_force_mqa=False),   # 0.27: dense MHA unless forced off
+        attention_config=types.SimpleNamespace(sparse_mla_force_mqa=False,   # 0.27: dense MHA unless forced off
+                                               hisparse_config=None),   # 0.32: host-offloaded sparse KV off
         parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
                                               cp_kv_cache_interleave_size=1),
         compilation_config=types.SimpleNamespace(
@@ -186,7 +265,7 @@ print(json.dumps(results))
 
 
 def test_backend_on_026_bases_vs_dense_reference(staged):
-    """Real 0.26-family builder + impl (0.26.0, 0.27.0, 0.28.0), bf16 and fp8_ds_mla caches, layers with and without an indexer
+    """Real shared-bases builder + impl (0.26.0, 0.28.0, 0.31.0, 0.33.0), bf16 and fp8_ds_mla caches, layers with and without an indexer
     (GLM-5.2 reads the shared top-k buffer), a long mixed batch (all MQA) and a short prefill (MHA-eligible):
     every MQA token equals dense sparse attention over its own top-k, decode slices included."""
     out = run_json(staged, BACKEND)

@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import tomllib
+
 import pytest
 
 from dsa_installer import engine, fsops, hunks, manifest, resources
@@ -197,6 +199,8 @@ def test_malformed_manifest(tree, tmp_path):
     text = m.read_text()
     where = f"patches/{tree.version}/manifest.toml"
     first = manifest.load(tree.version).patches[0]
+    layers = manifest.family_names(tomllib.loads(text))   # a missing diff is reported in the farthest layer searched
+    searched_last = resources.patches_dir() / manifest.FAMILIES / layers[-1] if layers else first.diff.parent
     cases = [
         (text + "[[patch\n", f"{where}: unreadable manifest ("),
         (text.replace('sha256 = "', 'sha256 = "zz', 1),
@@ -205,7 +209,7 @@ def test_malformed_manifest(tree, tmp_path):
          f"{where} [[patch]] #1: target '/etc/{first.target.removeprefix('vllm/')}' must be a relative path under "
          "vllm/; fix the manifest"),
         (text.replace('diff = "', 'diff = "missing-', 1),
-         f"{where} [[patch]] #1: {resources.display(first.diff.parent)}/missing-{first.diff.name} is missing; "
+         f"{where} [[patch]] #1: {resources.display(searched_last)}/missing-{first.diff.name} is missing; "
          "restore it from git"),
         (text.replace(f'vllm = "{tree.version}"', 'vllm = "0.0.1"'),
          f"{where}: `vllm = \"{tree.version}\"` expected (got '0.0.1'); fix the manifest"),

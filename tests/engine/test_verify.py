@@ -91,10 +91,10 @@ def test_stub_symbols_agree_with_binutils():
 
 
 def test_cpu_torch_gets_torch_cuda_stubs_that_abort_by_name():
-    """vLLM 0.27.0's venv holds torch's CPU build (no libtorch_cuda.so): the stub directory adds libtorch_cuda.so
+    """vLLM 0.28.0's venv holds torch's CPU build (no libtorch_cuda.so): the stub directory adds libtorch_cuda.so
     and libc10_cuda.so exporting exactly the torch-CUDA names vLLM's libraries import and that torch lacks
     (checked against binutils' nm), each aborting with its name when called; a CUDA torch (0.26.0) gets none."""
-    _, site = vllm_envs.require("0.27.0")
+    _, site = vllm_envs.require("0.28.0")
     _, cuda_site = vllm_envs.require("0.26.0")
     assert cudastub.torch_cuda_symbols(cuda_site) == []
     symbols = cudastub.torch_cuda_symbols(site)
@@ -181,12 +181,20 @@ def test_verify_in_the_real_vllm_venv_passes(version, tmp_path_factory):
     assert [(m["module"], m["ok"], m["error"]) for m in r["modules"]] == [
         (n, True, None) for n in targets + overlay_modules()]
     assert r["hooks"]["ok"] is True
-    table = r["hooks"]["report"].splitlines()
+    table, _, models = r["hooks"]["report"].partition("\n\n")
+    table = table.splitlines()
     assert table[0] == ("| cc | kv cache | index_topk | selected | with DSA_OVERLAY_PORTABLE=1 | "
                         "explicit TRITON_MLA_SPARSE |")
+    caps = ("8.0", "8.6", "8.9", "9.0", "10.0", "12.0", "12.1")
     assert [row.split(" | ")[:3] for row in table[2:]] == [
-        [f"| {cc}", kv, topk] for cc in ("8.0", "8.6", "8.9", "9.0", "10.0", "12.0", "12.1")
-        for kv in ("auto", "bfloat16", "fp8_ds_mla") for topk in ("2048", "256", "200")]
+        [f"| {cc}", kv, topk] for cc in caps for kv in ("auto", "bfloat16", "fp8_ds_mla") for topk in ("2048", "256", "200")]
+    # 0.29.0+: which model code serves DeepSeek-V3.2 / GLM-5 per capability (the deepseek_v32 hook)
+    if vllm_envs.release(version) >= (0, 29, 0):
+        rows = [line.split(" | ") for line in models.splitlines()[2:]]
+        assert [(cc.strip("| "), code.startswith("generic")) for cc, code in rows] == [
+            (cc, cc in ("8.0", "8.6")) for cc in caps], models
+    else:
+        assert models == ""
     assert r["selftest"] == expected_selftest(_torch_sees_cuda(str(python), env))
     assert r["ok"] is True
 
