@@ -21,8 +21,8 @@ indexer stays on DeepGEMM whatever the switches say (`deep_gemm_format_required`
 Triton path it never touches DeepGEMM.
 
 `cuda_dsa_module_supported` gates vLLM 0.29.0+'s CUDA model module for DeepSeek-V3.2 / GLM-5
-(`vllm/models/deepseek_v32/nvidia/`), whose Triton kernels (`common/kernels.py`: `fused_norm_rope`,
-`fused_q`) always store fp8; below sm_89 the hook in `deepseek_v32/__init__.py` serves the generic
+(`vllm/models/deepseek_v32/nvidia/`), whose Triton kernels (`models/deepseek_v32/common/kernels.py`: `fused_norm_rope`,
+`fused_q`) always store fp8; below sm_89 the hook in `vllm/models/deepseek_v32/__init__.py` serves the generic
 `deepseek_v2` classes instead, as upstream does on CPU and XPU.
 
 `fused_q_quant_supported` gates upstream's fused indexer-query kernel (0.25.0 on:

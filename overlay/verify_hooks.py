@@ -203,7 +203,7 @@ DSA_MODEL_HOOK = "_dsa_ix.cuda_dsa_module_supported()"
 def model_module_report(capabilities=CAPABILITIES) -> tuple[str, list[str]]:
     """0.29.0+: which model code serves DeepSeek-V3.2 / GLM-5 at each capability (upstream's CUDA module,
     whose Triton kernels store fp8, from sm_89; the generic deepseek_v2 classes below), read from the
-    hooked `deepseek_v32/__init__.py` without importing it (its CUDA branch imports upstream's CUDA
+    hooked `vllm/models/deepseek_v32/__init__.py` without importing it (its CUDA branch imports upstream's CUDA
     kernels). ("", []) for releases without that package; a problem when the hook is missing."""
     import importlib.util
 
