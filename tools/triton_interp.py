@@ -42,6 +42,37 @@ def numpy24_fix() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def fp8_downcast_fix() -> None:
+    """Triton's interpreter (3.5-3.9) rounds a float down to fp8 by adding the cut-off bit to the mantissa and
+    OR-ing the result into the exponent bits, so a carry out of the mantissa is lost: fp32 124 <= |x| < 128 becomes
+    64 in e4m3 (seen in upstream's fp8_ds_mla cache writer of vLLM 0.29+, run in the interpreter). The GPU rounds
+    to nearest even and saturates (`cvt.rn.satfinite`). Convert float -> float8e4nv / float8e5 through torch,
+    clamped to the format's largest finite value first (NaN stays NaN); every other conversion as before."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "_dsa_fp8_fix", False):
+        return
+    targets = {tl.float8e4nv: (torch.float8_e4m3fn, 448.0), tl.float8e5: (torch.float8_e5m2, 57344.0)}
+    sources = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+
+    def fixed(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype not in targets or input_dtype not in sources:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        fp8, largest = targets[output_dtype]
+        raw = np.ascontiguousarray(input)
+        x = torch.from_numpy(raw.view(np.int16) if input_dtype == tl.bfloat16 else raw)
+        x = (x.view(torch.bfloat16) if input_dtype == tl.bfloat16 else x).float()
+        x = torch.where(x.isnan(), x, x.clamp(-largest, largest))
+        return x.to(fp8).view(torch.uint8).numpy().reshape(input.shape)
+
+    fixed._dsa_fp8_fix = True
+    interpreter._convert_float = fixed
+
+
 def load_interpreted(path: Path, name: str):
     """Import the kernel file at `path` as a private module `name` with interpreted kernels. It is imported as
     a member of a private package over its folder, so that its relative imports (``from .launch import``) load

@@ -286,3 +286,87 @@ def test_backend_on_026_bases_vs_dense_reference(staged):
             assert r["req_ids"] == [0, 1] + [2] * 30, (key, r)
             assert r["prefill"].pop("dense") in (None, True), (key, r)
             assert r["prefill"] == dict(prepared=True, qsl=[0, 30], max_q=30, rows=1, context=False), (key, r)
+
+
+CUDA_MODULE_CACHE = """
+# 0.29+'s CUDA model module (sm_89+) writes the MLA cache itself, in `fused_norm_rope` (RMS norm, RoPE, fp8_ds_mla
+# quantisation and the cache write in one Triton kernel, a different writer than concat_and_cache_mla). Here that
+# upstream kernel runs in the interpreter into the cache TRITON_MLA_SPARSE allocates, and the overlay's kernel reads it.
+import triton, triton.language
+import vllm.triton_utils as triton_utils
+if not triton_utils.HAS_TRITON:   # no GPU driver here: vLLM would hand its modules placeholders
+    triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, triton.language, True
+# The interpreter's own float -> fp8 rounding loses mantissa carries (124 <= |x| < 128 -> 64): fixed as on the GPU.
+sys.modules["_dsa_interp"].fp8_downcast_fix()
+from vllm.models.deepseek_v32.common.kernels import fused_norm_rope
+from vllm._dsa_overlay import triton_mla_sparse as tms, triton_mla_sparse_ops as ops
+
+g = torch.Generator().manual_seed(7)
+T, BS, NB, H, TOPK, QL = 37, 64, 3, 2, 16, 64
+SCALE = 0.0625
+results = {}
+for kv_dtype in ("auto", "fp8_ds_mla"):
+    kv_format = ops.kv_format_for(kv_dtype)
+    shape = tms.TritonMLASparseBackend.get_kv_cache_shape(NB, BS, 1, 576, kv_dtype)
+    cache = (torch.full(shape, float("nan"), dtype=torch.bfloat16) if kv_format == "bf16"
+             else torch.full(shape, 0xFF, dtype=torch.uint8))          # NaN everywhere nothing is written
+    block_table = torch.tensor([[2, 0]], dtype=torch.int32)            # one request, positions 0..T-1
+    pos = torch.arange(T)
+    slots = block_table[0, pos // BS].long() * BS + pos % BS
+    kv_c = torch.randn(T, 512, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(T, 64, generator=g).to(torch.bfloat16)
+    angles = torch.arange(128)[:, None] * (10000.0 ** (-torch.arange(32) / 32))[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float()
+    kv_c_out, k_pe_out = torch.empty_like(kv_c), torch.empty_like(k_pe)
+    fused_norm_rope(pos, torch.randn(T, QL, generator=g).to(torch.bfloat16), torch.ones(QL, dtype=torch.bfloat16),
+                    1e-6, kv_c, (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16), 1e-6, k_pe, cos_sin,
+                    None, None, None, 1e-6, None, torch.zeros(T, TOPK, dtype=torch.int32),
+                    slot_mapping=slots, mla_kv_cache=cache, mla_kv_cache_dtype=kv_dtype,
+                    mla_k_scale=torch.ones(1), has_indexer=False, kv_c_out=kv_c_out, k_pe_out=k_pe_out)
+    rows = cache.view(NB * BS, -1)[slots]
+    if kv_format == "bf16":
+        exact = rows.double()
+        layout_ok = torch.equal(rows, torch.cat([kv_c_out, k_pe_out], -1))
+        nope_err = 0.0
+    else:   # the documented fp8_ds_mla layout, decoded by hand
+        nope = rows[:, :512].view(torch.float8_e4m3fn).double().view(T, 4, 128)
+        scales = rows[:, 512:528].contiguous().view(torch.float32).double()
+        rope = rows[:, 528:656].contiguous().view(torch.bfloat16)
+        exact = torch.cat([(nope * scales[..., None]).view(T, 512), rope.double()], -1)
+        layout_ok = torch.equal(rope, k_pe_out)
+        ref = kv_c_out.double().view(T, 4, 128)
+        nope_err = ((exact[:, :512].view(T, 4, 128) - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+    # Every token attends to a random top-k of the positions written so far (-1 padding where fewer).
+    topk = torch.full((T, TOPK), -1, dtype=torch.int32)
+    for t in range(T):
+        sel = torch.randperm(t + 1, generator=g)[:TOPK]
+        topk[t, : sel.numel()] = sel.to(torch.int32)
+    q = (torch.randn(T, H, 576, generator=g) * 0.5).to(torch.bfloat16)
+    out, lse = ops.sparse_mla_forward((q[..., :512], q[..., 512:]), cache, topk, torch.zeros(T, dtype=torch.int32),
+                                      block_table, BS, SCALE, kv_format)
+    errs = []
+    for t in range(T):
+        k = exact[topk[t][topk[t] >= 0].long()]
+        ref_out = torch.softmax(q[t].double() @ k.T * SCALE, -1) @ k[:, :512]
+        errs.append(((out[t].double() - ref_out).abs().max() / ref_out.abs().max()).item())
+    results[kv_format] = dict(layout_ok=layout_ok, nope_err=nope_err, max_rel=max(errs),
+                              nan=bool(out.isnan().any()), untouched=int(cache.view(NB * BS, -1)[BS:2 * BS].isnan().all()
+                                                                         if kv_format == "bf16" else
+                                                                         (cache.view(NB * BS, -1)[BS:2 * BS] == 0xFF).all()))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize("version", [v for v in VERSIONS if vllm_envs.release(v) >= (0, 29, 0)])
+def test_cuda_module_cache_writer_read_by_triton(version, tmp_path_factory):
+    """sm_89+ on 0.29.0+: upstream's CUDA model module writes the MLA cache with its own fused kernel
+    (`fused_norm_rope`, power-of-two fp8_ds_mla scales). Run in the interpreter into TRITON_MLA_SPARSE's cache, for bf16
+    and fp8_ds_mla: the rows hold what the layout says (bf16: exactly the normed latent and roped k_pe it returns;
+    fp8_ds_mla: its bf16 rope bit for bit, the fp8 tiles within e4m3 rounding), a block no token maps to stays
+    untouched, and the overlay's kernel reading that cache equals dense attention over the decoded rows."""
+    out = run_json(vllm_envs.shared_site(version, tmp_path_factory), CUDA_MODULE_CACHE)
+    for fmt, r in out.items():
+        assert r["layout_ok"] and r["untouched"] and not r["nan"], (fmt, r)
+        # e4m3 rounding: half a step of the tile's top binade, whose scale is amax / 448 rounded up to a power of 2
+        assert r["nope_err"] <= 2 ** -4, (fmt, r)
+        assert r["max_rel"] < 2e-2, (fmt, r)
