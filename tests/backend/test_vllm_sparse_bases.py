@@ -370,3 +370,73 @@ def test_cuda_module_cache_writer_read_by_triton(version, tmp_path_factory):
         # e4m3 rounding: half a step of the tile's top binade, whose scale is amax / 448 rounded up to a power of 2
         assert r["nope_err"] <= 2 ** -4, (fmt, r)
         assert r["max_rel"] < 2e-2, (fmt, r)
+
+
+CUDA_MODULE_INDEXER_CACHE = """
+# 0.29+'s CUDA model module also writes the indexer's K cache itself (fused_norm_rope: LayerNorm, RoPE, fp8 with a
+# power-of-two scale), where older releases call indexer_k_quant_and_cache. The Triton indexer must read it.
+import triton, triton.language
+import vllm.triton_utils as triton_utils
+if not triton_utils.HAS_TRITON:
+    triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, triton.language, True
+sys.modules["_dsa_interp"].fp8_downcast_fix()
+from vllm.models.deepseek_v32.common.kernels import fused_norm_rope
+from vllm._dsa_overlay.kernels import indexer as IX
+
+g = torch.Generator().manual_seed(11)
+T, BS, NB, D, HI, QL = 45, 64, 3, 128, 4, 64
+idx_cache = torch.full((NB, BS, D + 4), 0xFF, dtype=torch.uint8)   # how vLLM allocates it; NaN bytes elsewhere
+block_table = torch.tensor([[1, 2]], dtype=torch.int32)
+pos = torch.arange(T)
+slots = block_table[0, pos // BS].long() * BS + pos % BS
+angles = torch.arange(128)[:, None] * (10000.0 ** (-torch.arange(32) / 32))[None, :]
+cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float()
+index_k = (torch.randn(T, D, generator=g) * 3).to(torch.bfloat16)
+index_k_out = torch.empty_like(index_k)
+fused_norm_rope(pos, torch.randn(T, QL, generator=g).to(torch.bfloat16), torch.ones(QL, dtype=torch.bfloat16), 1e-6,
+                torch.randn(T, 512, generator=g).to(torch.bfloat16), torch.ones(512, dtype=torch.bfloat16), 1e-6,
+                torch.randn(T, 64, generator=g).to(torch.bfloat16), cos_sin,
+                index_k, (1 + 0.2 * torch.randn(D, generator=g)).to(torch.bfloat16),
+                (0.1 * torch.randn(D, generator=g)).to(torch.bfloat16), 1e-6, cos_sin,
+                torch.zeros(T, 16, dtype=torch.int32), slot_mapping=slots, indexer_k_cache=idx_cache,
+                has_indexer=True, index_k_out=index_k_out)
+# the documented layout, decoded by hand: per block, BS * D fp8 bytes (token t at t * D), then BS float32 scales
+flat = idx_cache.view(NB, -1)
+blk, off = (slots // BS), (slots % BS)
+vals = torch.stack([flat[b, o * D:(o + 1) * D] for b, o in zip(blk.tolist(), off.tolist())]).view(torch.float8_e4m3fn)
+scales = torch.stack([flat[b, BS * D + 4 * o:BS * D + 4 * o + 4] for b, o in zip(blk.tolist(), off.tolist())])
+scales = scales.contiguous().view(torch.float32).double().view(-1)
+decoded = vals.double() * scales[:, None]
+ref_k = index_k_out.double()
+k_err = ((decoded - ref_k).abs().amax(-1) / ref_k.abs().amax(-1)).max().item()
+# decode logits for three requests over that cache (context lengths T, 10, 1), every head weighted
+cl = torch.tensor([T, 10, 1], dtype=torch.int32)
+B = cl.numel()
+q = (torch.randn(B, 1, HI, D, generator=g) * 2).to(torch.float8_e4m3fn)
+w = torch.randn(B, HI, generator=g)
+logits = IX.fp8_paged_mqa_logits(q, idx_cache.view(NB, BS, 1, D + 4), w, cl, block_table.expand(B, -1).contiguous(),
+                                 None, 2 * BS, True)
+dots = torch.einsum("bhd,nd->bhn", q[:, 0].double(), vals.double())
+ref = (w.double()[:, :, None] * dots.clamp(min=0)).sum(1) * scales[None, :]
+mag = (w.double().abs()[:, :, None] * torch.einsum("bhd,nd->bhn", q[:, 0].double().abs(),
+                                                    vals.double().abs())).sum(1) * scales[None, :]
+errs, masked = [], True
+for b in range(B):
+    n = int(cl[b])
+    errs.append(((logits[b, :n].double() - ref[b, :n]).abs() / mag[b, :n].clamp_min(1e-30)).max().item())
+    masked &= bool(torch.isinf(logits[b, n:]).all())
+print(json.dumps(dict(k_err=k_err, max_rel=max(errs), masked=masked, finite=bool(logits[0, :T].isfinite().all()),
+                      scales_pow2=bool((scales.log2() == scales.log2().round()).all()))))
+"""
+
+
+@pytest.mark.parametrize("version", [v for v in VERSIONS if vllm_envs.release(v) >= (0, 29, 0)])
+def test_cuda_module_indexer_cache_read_by_triton_indexer(version, tmp_path_factory):
+    """sm_89+ on 0.29.0+: upstream's CUDA module writes the indexer K cache in its fused kernel (power-of-two
+    scales) instead of indexer_k_quant_and_cache. Run in the interpreter: the cache holds the layout the Triton
+    indexer reads (per block: fp8 rows, then float32 scales), its values are the normed, roped K it returns within
+    e4m3 rounding, and the Triton paged logits over it equal a float64 reference (-inf past each context)."""
+    r = run_json(vllm_envs.shared_site(version, tmp_path_factory), CUDA_MODULE_INDEXER_CACHE)
+    assert r["scales_pow2"] and r["finite"] and r["masked"], r
+    assert r["k_err"] <= 2 ** -4, r
+    assert r["max_rel"] < 1e-5, r
