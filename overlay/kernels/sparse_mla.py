@@ -827,19 +827,18 @@ def sparse_mla_attention(
 _PLANS = PlanTable(LAUNCHERS)
 
 
+def _tensor_key(t):
+    """What a launch plan depends on of one tensor argument (None stays None)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
 def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native):
     if not _PLANS.on:
         return None
     try:
-        if isinstance(q, tuple):
-            qn, qr = q
-            qkey = (qn.shape, qn.stride(), qn.dtype, qn.device, qr.shape, qr.stride(), qr.dtype, qr.device)
-        else:
-            qkey = (q.shape, q.stride(), q.dtype, q.device)
-        key = (qkey, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
-               kv_cache.device, indices.shape, indices.stride(), indices.dtype, kv_format, config, fp8_native,
-               None if out is None else (out.shape, out.stride(), out.dtype, out.device),
-               None if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.device),
+        qkey = tuple(map(_tensor_key, q)) if isinstance(q, tuple) else _tensor_key(q)
+        key = (qkey, _tensor_key(kv_cache), indices.shape, indices.stride(), indices.dtype, kv_format, config,
+               fp8_native, _tensor_key(out), _tensor_key(lse),
                None if block_table is None else (block_table.shape[1:], block_table.stride(), block_table.dtype),
                None if req_id is None else (req_id.shape, req_id.stride(), req_id.dtype))
     except (AttributeError, TypeError, IndexError, ValueError):  # not tensors: no plan (the checks say what is wrong)
