@@ -204,17 +204,24 @@ def model_module_report(capabilities=CAPABILITIES) -> tuple[str, list[str]]:
     """0.29.0+: which model code serves DeepSeek-V3.2 / GLM-5 at each capability (upstream's CUDA module,
     whose Triton kernels store fp8, from sm_89; the generic deepseek_v2 classes below), read from the
     hooked `vllm/models/deepseek_v32/__init__.py` without importing it (its CUDA branch imports upstream's CUDA
-    kernels). ("", []) for releases without that package; a problem when the hook is missing."""
+    kernels). ("", []) for releases whose registry does not serve GLM-5 from that package (before 0.29.0); a
+    problem when the hook is missing."""
     import importlib.util
 
     from .indexer_ops import triton_fp8_store_supported
 
-    spec = importlib.util.find_spec(DSA_MODEL_PACKAGE)
+    try:
+        spec = importlib.util.find_spec(DSA_MODEL_PACKAGE)
+    except ModuleNotFoundError:  # 0.16-0.24: no vllm.models package
+        spec = None
     if spec is None or spec.origin is None:
         return "", []
     with open(spec.origin, encoding="utf-8") as f:
-        if DSA_MODEL_HOOK not in f.read():
-            return "", [f"{spec.origin}: the model-module hook ({DSA_MODEL_HOOK}) is missing; re-run apply"]
+        source = f.read()
+    if "GlmMoeDsaForCausalLM" not in source:  # 0.25-0.28: the package exists, the registry serves deepseek_v2
+        return "", []
+    if DSA_MODEL_HOOK not in source:
+        return "", [f"{spec.origin}: the model-module hook ({DSA_MODEL_HOOK}) is missing; re-run apply"]
     lines = ["| cc | DeepSeek-V3.2 / GLM-5 model code |", "|---|---|"]
     for cap in capabilities:
         code = ("upstream CUDA module (deepseek_v32/nvidia)" if triton_fp8_store_supported(cap)
