@@ -187,12 +187,11 @@ def fp8_fp4_paged_mqa_logits(
     DeepGEMM's SM100 kernel, passed to DeepGEMM only when given. The Triton kernel does not need it: the
     flattened rows already carry their own context length and block-table row. `clean_logits`: passed by
     0.20.0-0.32.0, not by 0.33.0 (whose DeepGEMM wrapper has no such argument; then it is not passed on)."""
-    heads = _heads(q)
-    on_dg = _on_deep_gemm(heads)
+    on_dg = _on_deep_gemm(_heads(q))
     extra = {"indices": indices} if indices is not None and on_dg else {}
     if clean_logits is not None or not on_dg:
         extra["clean_logits"] = bool(clean_logits)
-    return _impl("fp8_fp4_paged_mqa_logits", heads)(
+    return (_deep_gemm() if on_dg else _triton()).fp8_fp4_paged_mqa_logits(
         q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
         max_model_len=max_model_len, **extra,
     )

@@ -57,7 +57,7 @@ def fp8_downcast_fix() -> None:
     if getattr(original, "_dsa_fp8_fix", False):
         return
     targets = {tl.float8e4nv: (torch.float8_e4m3fn, 448.0), tl.float8e5: (torch.float8_e5m2, 57344.0)}
-    sources = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+    sources = (tl.float32, tl.float16, tl.bfloat16)
 
     def fixed(input, input_dtype, output_dtype, rounding_mode):
         if output_dtype not in targets or input_dtype not in sources:

@@ -128,14 +128,17 @@ def test_dsa_model_module_by_capability(version, cap, tmp_path_factory):
     assert out == {"cuda_module": cuda, "generic": not cuda, "mtp_generic": not cuda}, (cap, out)
 
 
-BACKEND = """
-# 0.32+: the shared builder maps tokens to requests with a Triton kernel (vllm/v1/attention/ops/metadata.py).
-# vLLM disables Triton where it finds no active GPU driver (placeholders instead of triton.jit); the
-# interpreter (TRITON_INTERPRET=1) runs it here, so vLLM's modules are given the real Triton before they import.
+# vLLM's own Triton kernels in the interpreter (0.32+'s builder maps tokens to requests with one; 0.29+'s CUDA model
+# module writes its caches with them): vLLM disables Triton where it finds no active GPU driver (placeholders instead
+# of triton.jit), so its modules are given the real Triton before they import (TRITON_INTERPRET=1 runs it here).
+VLLM_REAL_TRITON = """
 import triton, triton.language
 import vllm.triton_utils as triton_utils
 if not triton_utils.HAS_TRITON:
     triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, triton.language, True
+"""
+
+BACKEND = VLLM_REAL_TRITON + """
 import vllm.utils.torch_utils as torch_utils
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm._dsa_overlay import triton_mla_sparse as tms
@@ -288,17 +291,20 @@ def test_backend_on_026_bases_vs_dense_reference(staged):
             assert r["prefill"] == dict(prepared=True, qsl=[0, 30], max_q=30, rows=1, context=False), (key, r)
 
 
-CUDA_MODULE_CACHE = """
-# 0.29+'s CUDA model module (sm_89+) writes the MLA cache itself, in `fused_norm_rope` (RMS norm, RoPE, fp8_ds_mla
-# quantisation and the cache write in one Triton kernel, a different writer than concat_and_cache_mla). Here that
-# upstream kernel runs in the interpreter into the cache TRITON_MLA_SPARSE allocates, and the overlay's kernel reads it.
-import triton, triton.language
-import vllm.triton_utils as triton_utils
-if not triton_utils.HAS_TRITON:   # no GPU driver here: vLLM would hand its modules placeholders
-    triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, triton.language, True
+# 0.29+'s CUDA model module (sm_89+): upstream's fused_norm_rope, in the interpreter, with a RoPE table (cos | sin
+# halves) for 128 positions and 64 rotary dims.
+FUSED_NORM_ROPE = VLLM_REAL_TRITON + """
 # The interpreter's own float -> fp8 rounding loses mantissa carries (124 <= |x| < 128 -> 64): fixed as on the GPU.
 sys.modules["_dsa_interp"].fp8_downcast_fix()
 from vllm.models.deepseek_v32.common.kernels import fused_norm_rope
+angles = torch.arange(128)[:, None] * (10000.0 ** (-torch.arange(32) / 32))[None, :]
+cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float()
+"""
+
+CUDA_MODULE_CACHE = FUSED_NORM_ROPE + """
+# 0.29+'s CUDA model module (sm_89+) writes the MLA cache itself, in `fused_norm_rope` (RMS norm, RoPE, fp8_ds_mla
+# quantisation and the cache write in one Triton kernel, a different writer than concat_and_cache_mla). Here that
+# upstream kernel runs in the interpreter into the cache TRITON_MLA_SPARSE allocates, and the overlay's kernel reads it.
 from vllm._dsa_overlay import triton_mla_sparse as tms, triton_mla_sparse_ops as ops
 
 g = torch.Generator().manual_seed(7)
@@ -315,8 +321,6 @@ for kv_dtype in ("auto", "fp8_ds_mla"):
     slots = block_table[0, pos // BS].long() * BS + pos % BS
     kv_c = torch.randn(T, 512, generator=g).to(torch.bfloat16)
     k_pe = torch.randn(T, 64, generator=g).to(torch.bfloat16)
-    angles = torch.arange(128)[:, None] * (10000.0 ** (-torch.arange(32) / 32))[None, :]
-    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float()
     kv_c_out, k_pe_out = torch.empty_like(kv_c), torch.empty_like(k_pe)
     fused_norm_rope(pos, torch.randn(T, QL, generator=g).to(torch.bfloat16), torch.ones(QL, dtype=torch.bfloat16),
                     1e-6, kv_c, (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16), 1e-6, k_pe, cos_sin,
@@ -372,15 +376,9 @@ def test_cuda_module_cache_writer_read_by_triton(version, tmp_path_factory):
         assert r["max_rel"] < 2e-2, (fmt, r)
 
 
-CUDA_MODULE_INDEXER_CACHE = """
+CUDA_MODULE_INDEXER_CACHE = FUSED_NORM_ROPE + """
 # 0.29+'s CUDA model module also writes the indexer's K cache itself (fused_norm_rope: LayerNorm, RoPE, fp8 with a
 # power-of-two scale), where older releases call indexer_k_quant_and_cache. The Triton indexer must read it.
-import triton, triton.language
-import vllm.triton_utils as triton_utils
-if not triton_utils.HAS_TRITON:
-    triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, triton.language, True
-sys.modules["_dsa_interp"].fp8_downcast_fix()
-from vllm.models.deepseek_v32.common.kernels import fused_norm_rope
 from vllm._dsa_overlay.kernels import indexer as IX
 
 g = torch.Generator().manual_seed(11)
@@ -389,8 +387,6 @@ idx_cache = torch.full((NB, BS, D + 4), 0xFF, dtype=torch.uint8)   # how vLLM al
 block_table = torch.tensor([[1, 2]], dtype=torch.int32)
 pos = torch.arange(T)
 slots = block_table[0, pos // BS].long() * BS + pos % BS
-angles = torch.arange(128)[:, None] * (10000.0 ** (-torch.arange(32) / 32))[None, :]
-cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float()
 index_k = (torch.randn(T, D, generator=g) * 3).to(torch.bfloat16)
 index_k_out = torch.empty_like(index_k)
 fused_norm_rope(pos, torch.randn(T, QL, generator=g).to(torch.bfloat16), torch.ones(QL, dtype=torch.bfloat16), 1e-6,
