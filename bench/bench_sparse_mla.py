@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -117,6 +118,47 @@ def focus_configs(fmt, T, H, topk, sm_count, heuristic, prefill):
         if c not in out:
             out.append(c)
     return out
+
+
+# What the mma.sync targets themselves launch (sm_80 and the sm_86/89/120 family: their own table tiles, not
+# sm_90's), timed in the mma.sync child beside sm_90's pick; for fp8_ds_mla also with the tile scales applied
+# after the dots (`f`: the raw e4m3 tile goes to shared memory once as bytes instead of twice dequantised, see
+# the sm_8x tables in overlay/kernels/sparse_mla.py).
+MMA_SYNC_CAPABILITIES = ((8, 0), (8, 9))
+
+
+def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLAConfig"]]:
+    """(tag, config): each mma.sync family's pick ("sm80 pick", "sm89 pick"), and for fp8_ds_mla its twin
+    with the other fp8_post_scale ("sm80 alt"); a config two families share is timed once (the first tag)."""
+    out, seen = [], set()
+    for cap in MMA_SYNC_CAPABILITIES:
+        c = SM.choose_config(T, H, topk, fmt, sm_count=sm_count, capability=cap)
+        fam = f"sm{cap[0]}{cap[1]}"
+        pairs = [(f"{fam} pick", c)]
+        if fmt == "fp8_ds_mla":
+            pairs.append((f"{fam} alt", replace(c, fp8_post_scale=not c.fp8_post_scale)))
+        for tag, cfg in pairs:
+            if cfg not in seen:
+                seen.add(cfg)
+                out.append((tag, cfg))
+    return out
+
+
+def mma_tile_rows(mma: dict) -> list[str]:
+    """Report rows of the child's per-tile times (keys "label | tag | config"): shape, tag, config, us, and for
+    fp8_ds_mla the ratio to the same family's bf16 pick on the same shape (the target: <= 1.2x)."""
+    rows, bf16_pick = [], {}
+    parsed = [(k.split(" | "), us) for k, us in mma.items() if k.count(" | ") == 2]
+    for (label, tag, cfg), us in parsed:
+        if label.startswith("bf16") and tag.endswith("pick"):
+            bf16_pick[(label[len("bf16"):], tag.split()[0])] = us
+    for (label, tag, cfg), us in parsed:
+        ratio = "-"
+        if label.startswith("fp8_ds_mla"):
+            base = bf16_pick.get((label[len("fp8_ds_mla"):], tag.split()[0]))
+            ratio = f"{us / base:.2f}x" if base and us else "-"
+        rows.append(f"| {label} | {tag} | {cfg} | {fmt_us(us)} | {ratio} |")
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,11 +385,13 @@ def main():
                                                    lse=lse, config=cfg, block_table=table, req_id=req)
 
         heur = SM.choose_config(T, H, topk, fmt, sm_count=sm_count, capability=cap)
-        if child:  # the mma.sync build: our heuristic's time only
-            try:
-                child_times[label] = rank_us(timer.measure(ours(heur), reps, eager=not timer.cuda, launch=False))
-            except Exception as e:  # noqa: BLE001
-                print(f"{label}: {type(e).__name__}: {e}", file=sys.stderr)
+        if child:  # the mma.sync build: our heuristic's time, then the mma.sync targets' own tiles
+            for key, cfg in [(label, heur)] + [(f"{label} | {tag} | {c}", c)
+                                               for tag, c in mma_tile_configs(fmt, T, H, topk, sm_count)]:
+                try:
+                    child_times[key] = rank_us(timer.measure(ours(cfg), reps, eager=not timer.cuda, launch=False))
+                except Exception as e:  # noqa: BLE001
+                    print(f"{key}: {type(e).__name__}: {e}", file=sys.stderr)
             del q, idx, out, lse
             continue
 
@@ -544,6 +588,12 @@ def main():
       "vs FlashMLA | err | target met? |\n")
     w("|---" * (11 + bool(args.mma_sync)) + "|\n")
     w("\n".join(main_rows) + "\n\n")
+    if args.mma_sync and mma_tile_rows(mma):
+        w("## The mma.sync build by tile (DISABLE_MMA_V3=1: the sm_80 and sm_86/89/120 tables' own picks, graph "
+          "us; pick = what choose_config launches for that family, alt = the same tile with the other fp8 scale "
+          "placement; fp8 vs bf16 = this time / the family's bf16 pick on the same T and H)\n\n"
+          "| shape | family | config | mma.sync us | fp8 vs bf16 |\n|---|---|---|---|---|\n")
+        w("\n".join(mma_tile_rows(mma)) + "\n\n")
     w("## Sweep (every candidate config per shape, fastest first, graph us; config = "
       "h<block_h>n<block_n>s<num_splits>w<num_warps>p<num_stages>)\n\n| shape | config: us |\n|---|---|\n")
     w("\n".join(sweep_rows) + "\n\n")

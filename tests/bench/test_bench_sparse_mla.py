@@ -37,3 +37,34 @@ def test_baseline_parses_suffixed_configs_and_skips_other_tables(tmp_path):
         "bf16 T=1 H=8": {"h16n64s32w8p2": 10.5, "h64n64s1w8p3d2": 11.0, "h16n64s32w8p2f": 12.25}}
     assert B.load_baseline(str(tmp_path / "missing.md")) == {}
     assert Path(B.BASELINE).is_file()
+
+
+def test_mma_sync_tiles_are_each_familys_own_pick_and_the_fp8_twin():
+    from overlay.kernels import sparse_mla as SM
+
+    tagged = B.mma_tile_configs("fp8_ds_mla", 128, 64, 2048, 132)
+    picks = {tag: cfg for tag, cfg in tagged}
+    for cap in B.MMA_SYNC_CAPABILITIES:
+        mine = SM.choose_config(128, 64, 2048, "fp8_ds_mla", sm_count=132, capability=cap)
+        # the family's own pick is timed (under its tag, or under the first family that has the same config)
+        assert mine in picks.values()
+        twin = SM.SparseMLAConfig.from_tile(mine.tile, mine.num_splits)
+        twin = type(twin)(**{**twin.__dict__, "fp8_post_scale": not mine.fp8_post_scale})
+        assert twin in picks.values()
+    assert len(set(picks.values())) == len(tagged)          # nothing timed twice
+    assert all(not c.fp8_post_scale for t, c in B.mma_tile_configs("bf16", 128, 64, 2048, 132))
+
+
+def test_mma_sync_rows_divide_fp8_by_the_same_familys_bf16_pick():
+    mma = {"bf16 T=128 H=64": 224.0,                                  # sm_90's pick: not a per-tile row
+           "bf16 T=128 H=64 | sm80 pick | h64n16s1w8p2": 300.0,
+           "bf16 T=128 H=64 | sm89 pick | h64n16s1w8p2": 320.0,
+           "fp8_ds_mla T=128 H=64 | sm80 pick | h32n32s1w8p2": 600.0,
+           "fp8_ds_mla T=128 H=64 | sm80 alt | h32n32s1w8p2f": 330.0,
+           "fp8_ds_mla T=1 H=64 | sm80 pick | h16n64s32w8p2": 14.0}
+    rows = {tuple(c.strip() for c in r.split("|")[1:4]): r.split("|")[5].strip() for r in B.mma_tile_rows(mma)}
+    assert rows[("fp8_ds_mla T=128 H=64", "sm80 pick", "h32n32s1w8p2")] == "2.00x"
+    assert rows[("fp8_ds_mla T=128 H=64", "sm80 alt", "h32n32s1w8p2f")] == "1.10x"
+    assert rows[("bf16 T=128 H=64", "sm89 pick", "h64n16s1w8p2")] == "-"
+    assert rows[("fp8_ds_mla T=1 H=64", "sm80 pick", "h16n64s32w8p2")] == "-"   # no bf16 row of that shape
+    assert len(rows) == 5

@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""End-to-end prefill and decode tokens/s on a GLM-5-shaped model: the vendor path against the Triton path.
+
+The model is GLM-5's layer shapes (hidden 6144, 64 heads, q_lora 2048, kv_lora 512, qk_nope 192, rope 64,
+v_head 256, 32 index heads of 128, index top-k 2048, vocabulary 154880) cut to --layers layers (default 8:
+3 dense, 5 MoE) and --experts routed experts (default 16 of 2048 wide, top-8 per token as in GLM-5: the
+same work per token, fewer weights), with vLLM's dummy weights (``load_format="dummy"``: only config.json is
+written). Each run is one engine in its own process, one at a time (../shared/FACTS.md), prefix caching off,
+CUDA graphs on (capture sizes up to the batch), prefill chunks of --chunk tokens:
+
+- prefill: --prompts random prompts of --prompt-len tokens, max_tokens=1; prefill tokens/s = prompt tokens
+  / wall time (best of --repeats; the first token's sampling is in it, as in any TTFT);
+- decode: the same prompts generating 1 and then 1 + --decode-steps tokens; decode tokens/s = prompts x
+  decode steps / (difference of the two wall times) (best of --repeats each): the prefill, identical in
+  both, cancels.
+
+Runs (``--runs``, comma separated ``path:cache``): path ``upstream`` = FLASHMLA_SPARSE + DeepGEMM (asked
+for by name), ``triton`` = DSA_OVERLAY_PORTABLE=1 (TRITON_MLA_SPARSE + the Triton indexer; a vendor DSA
+entry point raises); cache ``bf16`` or ``fp8_ds_mla``. The vLLM on PYTHONPATH is used as it is (apply the
+overlay first). Results go to OUT/throughput.json after every run (a later call with the same --out adds
+to them) and the table to OUT/throughput.md:
+
+    python3 bench/throughput.py --out $OUT [--runs upstream:bf16,triton:bf16,upstream:fp8_ds_mla,triton:fp8_ds_mla]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.e2e.plan import ATTENTION_BACKEND, VENDOR_ENTRY_POINTS  # noqa: E402
+
+PATHS = ("upstream", "triton")
+CACHES = {"bf16": "auto", "fp8_ds_mla": "fp8_ds_mla"}
+DEFAULT_RUNS = "upstream:bf16,triton:bf16,upstream:fp8_ds_mla,triton:fp8_ds_mla"
+
+# GLM-5's attention, indexer and expert shapes (transformers' GlmMoeDsaConfig defaults, zai-org/GLM-5).
+GLM5_SHAPE = dict(
+    vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+    num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+    qk_rope_head_dim=64, qk_head_dim=256, v_head_dim=256, head_dim=64, index_topk=2048, index_head_dim=128,
+    index_n_heads=32, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True,
+    routed_scaling_factor=2.5, first_k_dense_replace=3, hidden_act="silu", rms_norm_eps=1e-5,
+    max_position_embeddings=202752, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    attention_bias=False, attention_dropout=0.0, tie_word_embeddings=False, initializer_range=0.02,
+    bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=True, mlp_bias=False,
+)
+
+
+def model_config(layers: int = 8, experts: int = 16) -> dict:
+    """config.json of the GLM-5-shaped model: GLM-5's shapes, `layers` layers (the first 3 dense, as in
+    GLM-5), `experts` routed experts (top-8 of them per token)."""
+    if layers < 1 or experts < GLM5_SHAPE["num_experts_per_tok"]:
+        raise ValueError(f"need >= 1 layer and >= {GLM5_SHAPE['num_experts_per_tok']} experts "
+                         f"(got {layers}, {experts})")
+    dense = min(GLM5_SHAPE["first_k_dense_replace"], layers)
+    return dict(
+        GLM5_SHAPE, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", torch_dtype="bfloat16",
+        num_hidden_layers=layers, n_routed_experts=experts, first_k_dense_replace=dense,
+        mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
+        indexer_types=["full"] * layers, layer_types=["deepseek_sparse_attention"] * layers,
+        # vLLM builds gate.e_score_correction_bias only for topk_method == "noaux_tc" (as bench/e2e/run.py)
+        topk_method="noaux_tc", scoring_func="sigmoid",
+    )
+
+
+def write_model(path: Path, layers: int, experts: int) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config(layers, experts), indent=2))
+    return path
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 1234) -> list[list[int]]:
+    """n seeded random prompts of `length` token ids (ids 0 and 1 are bos / eos: left out)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def parse_runs(text: str) -> list[tuple[str, str]]:
+    runs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        path, _, cache = item.partition(":")
+        if path not in PATHS or cache not in CACHES:
+            raise SystemExit(f"bad run {item!r}: expected path:cache with path in {PATHS} and cache in "
+                             f"{tuple(CACHES)}")
+        runs.append((path, cache))
+    return runs
+
+
+def measure(generate, batch, decode_steps: int, repeats: int) -> dict:
+    """Time `generate(batch, max_tokens)` (one call = one llm.generate over the whole batch): prefill
+    (max_tokens 1) and decode (1 + decode_steps minus 1), best of `repeats` each, after one warm-up call.
+    -> prefill/decode tokens/s and the wall times they come from."""
+    def timed(max_tokens):
+        t = time.perf_counter()
+        generate(batch, max_tokens)
+        return time.perf_counter() - t
+
+    timed(2)  # warm-up: the first prefill of this batch shape, allocator growth
+    short = [timed(1) for _ in range(repeats)]
+    long_ = [timed(1 + decode_steps) for _ in range(repeats)]
+    prompt_tokens = sum(len(p) for p in batch)
+    dt = min(long_) - min(short)
+    return dict(prefill_tok_s=round(prompt_tokens / min(short), 1),
+                decode_tok_s=round(len(batch) * decode_steps / dt, 1) if dt > 0 else None,
+                prefill_s=[round(x, 4) for x in short], generate_s=[round(x, 4) for x in long_],
+                prompt_tokens=prompt_tokens, decode_tokens=len(batch) * decode_steps)
+
+
+def worker(spec: dict) -> dict:
+    """One engine (this process): the spec's run, measured. vLLM is imported here only."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["DSA_OVERLAY_PORTABLE"] = "1" if spec["path"] == "triton" else "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vendor_calls: dict = {}
+    if spec["path"] == "triton":   # proof that no vendor DSA kernel serves this run: any call raises
+        from bench.e2e.worker import _instrument
+
+        _instrument(VENDOR_ENTRY_POINTS, vendor_calls, raise_on_call=True)
+    n = spec["prompts"]
+    sizes = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s < n] + [n]
+    kwargs = dict(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  seed=0, max_model_len=spec["prompt_len"] + spec["decode_steps"] + 8, max_num_seqs=n,
+                  max_num_batched_tokens=spec["chunk"], gpu_memory_utilization=spec.get("mem", 0.6),
+                  kv_cache_dtype=CACHES[spec["cache"]], enable_prefix_caching=False,
+                  compilation_config={"cudagraph_capture_sizes": sizes})
+    if spec["path"] in ATTENTION_BACKEND:
+        kwargs["attention_backend"] = ATTENTION_BACKEND[spec["path"]]
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = round(time.perf_counter() - t0, 1)
+    batch = prompts(n, spec["prompt_len"], GLM5_SHAPE["vocab_size"])
+
+    def generate(b, max_tokens):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in b], sp, use_tqdm=False)
+        got = {len(o.outputs[0].token_ids) for o in outs}
+        if got != {max_tokens}:
+            raise RuntimeError(f"asked for {max_tokens} tokens per prompt, got {sorted(got)}")
+
+    res = measure(generate, batch, spec["decode_steps"], spec["repeats"])
+    import torch
+
+    res.update(startup_s=startup, vendor_calls=vendor_calls, device=torch.cuda.get_device_name())
+    return res
+
+
+def run_name(path: str, cache: str) -> str:
+    return f"{path}/{cache}"
+
+
+def report(results: dict, meta: dict) -> str:
+    """Markdown: one row per cache format, upstream and Triton side by side, ratio Triton / upstream."""
+    lines = [
+        "# End-to-end throughput: GLM-5-shaped model, vendor path vs Triton path", "",
+        f"{meta.get('how', '')}", "",
+        f"Model: GLM-5 shapes, {meta['layers']} layers, {meta['experts']} routed experts (top-8), dummy weights; "
+        f"{meta['prompts']} prompts x {meta['prompt_len']} tokens, prefill chunk {meta['chunk']}, decode "
+        f"{meta['decode_steps']} steps at batch {meta['prompts']}, CUDA graphs on, prefix caching off, best of "
+        f"{meta['repeats']}. upstream = FLASHMLA_SPARSE + DeepGEMM; triton = DSA_OVERLAY_PORTABLE=1.", "",
+        "| cache | prefill tok/s upstream | prefill tok/s triton | ratio | decode tok/s upstream | "
+        "decode tok/s triton | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(res, key):
+        if res is None:
+            return "-"
+        if "error" in res:
+            return "failed"
+        return f"{res[key]:.0f}" if res.get(key) is not None else "-"
+
+    def ratio(a, b, key):
+        if not a or not b or "error" in a or "error" in b or not a.get(key) or not b.get(key):
+            return "-"
+        return f"{b[key] / a[key]:.2f}x"
+
+    for cache in CACHES:
+        up, tr = results.get(run_name("upstream", cache)), results.get(run_name("triton", cache))
+        if up is None and tr is None:
+            continue
+        lines.append(f"| {cache} | {cell(up, 'prefill_tok_s')} | {cell(tr, 'prefill_tok_s')} | "
+                     f"{ratio(up, tr, 'prefill_tok_s')} | {cell(up, 'decode_tok_s')} | {cell(tr, 'decode_tok_s')} | "
+                     f"{ratio(up, tr, 'decode_tok_s')} |")
+    lines += ["", "Per run (wall times in s: prefill calls, prefill + decode calls):", ""]
+    for name, res in results.items():
+        if "error" in res:
+            lines.append(f"- {name}: {res['error']}: {res.get('log', '')[-400:]!r}")
+        else:
+            lines.append(f"- {name}: startup {res.get('startup_s')} s, prefill {res['prefill_s']}, generate "
+                         f"{res['generate_s']}, vendor DSA calls "
+                         f"{sum(res.get('vendor_calls', {}).values())}, engine process {res.get('wall_s')} s")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default=DEFAULT_RUNS, help="path:cache, comma separated (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per engine process")
+    ap.add_argument("--out", default=os.environ.get("OUT", "throughput_out"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        from bench.e2e.worker import serve
+
+        serve(worker, args.worker)   # never returns
+    from bench.e2e.run import failure_line, finish_worker, start_worker
+
+    runs = parse_runs(args.runs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "throughput.json"
+    data = json.loads(store.read_text()) if store.exists() else {"results": {}}
+    meta = dict(layers=args.layers, experts=args.experts, prompts=args.prompts, prompt_len=args.prompt_len,
+                decode_steps=args.decode_steps, chunk=args.chunk, repeats=args.repeats)
+    old = {k: v for k, v in data.get("meta", meta).items() if k != "how"}
+    if data["results"] and old != meta:
+        raise SystemExit(f"{store} holds runs of another setup ({old}); use another --out")
+    model_dir = write_model(Path(tempfile.mkdtemp(prefix="dsa_tput_")), args.layers, args.experts)
+    try:
+        import vllm  # noqa: F401 - version only, in this (parent) process
+        how = f"vLLM {vllm.__version__}"
+    except Exception as e:  # noqa: BLE001
+        how = f"vLLM not importable here ({type(e).__name__})"
+    data["meta"] = {**meta, "how": how}
+    for path, cache in runs:
+        spec = dict(path=path, cache=cache, model_dir=str(model_dir), **{k: meta[k] for k in (
+            "prompts", "prompt_len", "decode_steps", "chunk", "repeats")})
+        t0 = time.perf_counter()
+        proc = start_worker(spec, os.environ.get("PYTHONPATH", ""), cli=Path(__file__).resolve())
+        res = finish_worker(proc, t0, args.timeout)
+        data["results"][run_name(path, cache)] = res
+        print(f"{run_name(path, cache)}: " + (failure_line(res) if "error" in res else
+              f"prefill {res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s ({res['wall_s']} s)"),
+              flush=True)
+        store.write_text(json.dumps(data, indent=1))
+        (out / "throughput.md").write_text(report(data["results"], data["meta"]))
+    return 0 if all("error" not in r for r in data["results"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""bench/throughput.py on the CPU: the GLM-5-shaped config as real transformers reads it, the tokens/s
+arithmetic against a clock the fake engine drives, the report's ratios, and the worker protocol with a worker
+that cannot import vLLM (the run is a failed row, the results file is written, the exit code says so)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import throughput
+from tests import vllm_envs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_config_is_glm5_shaped_and_real_transformers_reads_it(tmp_path):
+    python, _ = vllm_envs.require("0.26.0")
+    d = throughput.write_model(tmp_path / "m", layers=8, experts=16)
+    code = ("import json, sys; from transformers import AutoConfig; c = AutoConfig.from_pretrained(sys.argv[1]); "
+            "print(json.dumps({k: getattr(c, k) for k in ('model_type', 'num_hidden_layers', 'hidden_size', "
+            "'num_attention_heads', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim', "
+            "'q_lora_rank', 'index_topk', 'index_n_heads', 'index_head_dim', 'n_routed_experts', "
+            "'num_experts_per_tok', 'first_k_dense_replace', 'moe_intermediate_size', 'vocab_size')}))")
+    proc = subprocess.run([str(python), "-c", code, str(d)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == dict(model_type="glm_moe_dsa", num_hidden_layers=8, hidden_size=6144, num_attention_heads=64,
+                       kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                       q_lora_rank=2048, index_topk=2048, index_n_heads=32, index_head_dim=128,
+                       n_routed_experts=16, num_experts_per_tok=8, first_k_dense_replace=3,
+                       moe_intermediate_size=2048, vocab_size=154880)
+
+
+def test_config_layer_lists_follow_the_layer_count():
+    c = throughput.model_config(layers=2, experts=8)
+    assert c["first_k_dense_replace"] == 2 and c["mlp_layer_types"] == ["dense", "dense"]
+    c = throughput.model_config(layers=5, experts=8)
+    assert c["mlp_layer_types"] == ["dense"] * 3 + ["sparse"] * 2 and len(c["indexer_types"]) == 5
+    with pytest.raises(ValueError, match="experts"):
+        throughput.model_config(layers=4, experts=4)   # fewer experts than GLM-5's top-8
+
+
+class FakeEngine:
+    """generate() advances a fake clock by prompt tokens / prefill rate + decode steps x batch / decode rate;
+    the first call of a batch shape (the warm-up) costs extra."""
+
+    def __init__(self, prefill_rate, decode_rate):
+        self.now = 100.0
+        self.prefill_rate, self.decode_rate = prefill_rate, decode_rate
+        self.calls = []
+
+    def clock(self):
+        return self.now
+
+    def generate(self, batch, max_tokens):
+        self.calls.append(max_tokens)
+        cost = sum(map(len, batch)) / self.prefill_rate + (max_tokens - 1) * len(batch) / self.decode_rate
+        self.now += cost + (7.0 if len(self.calls) == 1 else 0.0)
+
+
+def test_measure_recovers_the_engine_rates(monkeypatch):
+    eng = FakeEngine(prefill_rate=50_000.0, decode_rate=1_600.0)
+    monkeypatch.setattr(throughput.time, "perf_counter", eng.clock)
+    batch = [[5] * 4096 for _ in range(32)]
+    res = throughput.measure(eng.generate, batch, decode_steps=128, repeats=2)
+    assert eng.calls == [2, 1, 1, 129, 129]            # warm-up, prefill x2, prefill + decode x2
+    assert res["prefill_tok_s"] == pytest.approx(50_000.0, rel=1e-6)
+    assert res["decode_tok_s"] == pytest.approx(1_600.0, rel=1e-6)
+    assert res["prompt_tokens"] == 32 * 4096 and res["decode_tokens"] == 32 * 128
+
+
+def test_measure_takes_the_best_of_the_repeats(monkeypatch):
+    eng = FakeEngine(prefill_rate=1000.0, decode_rate=100.0)
+    slow = iter([0.0, 0.5, 0.0, 0.3, 0.0])              # extra seconds per call: noise on some repeats
+    orig = eng.generate
+
+    def noisy(batch, max_tokens):
+        orig(batch, max_tokens)
+        eng.now += next(slow)
+
+    monkeypatch.setattr(throughput.time, "perf_counter", eng.clock)
+    res = throughput.measure(noisy, [[3] * 100] * 2, decode_steps=10, repeats=2)
+    assert res["prefill_s"] == [pytest.approx(0.7), pytest.approx(0.2)]
+    assert res["prefill_tok_s"] == pytest.approx(1000.0)
+    assert res["decode_tok_s"] == pytest.approx(100.0)
+
+
+def test_report_ratios_and_failed_runs():
+    ok = lambda p, d: dict(prefill_tok_s=p, decode_tok_s=d, prefill_s=[1.0], generate_s=[2.0],  # noqa: E731
+                           vendor_calls={}, startup_s=50.0, wall_s=80.0)
+    meta = dict(layers=8, experts=16, prompts=32, prompt_len=4096, decode_steps=128, chunk=8192, repeats=2,
+                how="vLLM 0.26.0")
+    md = throughput.report({"upstream/bf16": ok(40000.0, 2000.0), "triton/bf16": ok(30000.0, 2500.0),
+                            "upstream/fp8_ds_mla": ok(35000.0, 2200.0),
+                            "triton/fp8_ds_mla": {"error": "exit 1", "log": "boom"}}, meta)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in md.splitlines() if line.startswith("| bf16") or line.startswith("| fp8_ds_mla")}
+    assert rows["bf16"] == ["40000", "30000", "0.75x", "2000", "2500", "1.25x"]
+    assert rows["fp8_ds_mla"] == ["35000", "failed", "-", "2200", "failed", "-"]
+    assert "triton/fp8_ds_mla: exit 1" in md
+
+
+def test_bad_run_names_are_refused():
+    assert throughput.parse_runs("upstream:bf16, triton:fp8_ds_mla") == [("upstream", "bf16"),
+                                                                         ("triton", "fp8_ds_mla")]
+    for bad in ("flashmla:bf16", "triton:fp8", "triton"):
+        with pytest.raises(SystemExit, match="bad run"):
+            throughput.parse_runs(bad)
+
+
+def test_a_worker_without_vllm_is_a_failed_row(tmp_path):
+    """The real worker protocol: a process per run, its traceback kept, the results written after each run."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "throughput.py"), "--runs", "triton:bf16",
+                           "--out", str(tmp_path), "--timeout", "120"], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    res = data["results"]["triton/bf16"]
+    assert res["error"] == "exit 1" and "No module named 'vllm'" in res["log"]
+    assert "| bf16 | - | failed | - | - | failed | - |" in (tmp_path / "throughput.md").read_text()
+    # a second call with another setup into the same --out is refused, nothing overwritten
+    again = subprocess.run([sys.executable, str(REPO / "bench" / "throughput.py"), "--runs", "triton:bf16",
+                            "--out", str(tmp_path), "--layers", "4"], capture_output=True, text=True, env=env,
+                           timeout=300, cwd=tmp_path)
+    assert again.returncode != 0 and "another setup" in again.stderr
+    assert json.loads((tmp_path / "throughput.json").read_text()) == data
