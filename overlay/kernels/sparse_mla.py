@@ -545,15 +545,22 @@ _THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_
 # _THROUGHPUT_TUNING knowing it fits and does not spill there (with Triton 3.6; under Triton 3.5 the
 # 64-head ones spill, so a promoted one needs a 3.5 fallback like the bucket-64 entries).
 # fp8_post_scale with 64 heads (n64p3, d1 and d2) and with h16n32w4 spills on sm_90 (Triton 3.6).
+# The 128-head d2 tiles (H > 64 only): Triton gives a chained dot's warpgroups whole rows of S (warpsPerCTA
+# [num_warps, 1]), so a 64-head tile at 8 warps computes Q.K^T and the softmax twice, once per warpgroup (the
+# sm_90 TTGIR: warpsPerCTA [8, 1] for 64 rows); 128 heads give each warpgroup 64 heads of its own, and d2 keeps
+# the accumulator at 128 x 256 (226 registers, 221 KB of shared memory, no spill on sm_90 with Triton 3.6).
 FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
     "bf16": (SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, dv_split=2),
-             SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3)),
+             SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3),
+             SparseMLAConfig(block_h=128, block_n=32, num_warps=8, num_stages=2, dv_split=2),
+             SparseMLAConfig(block_h=128, block_n=16, num_warps=8, num_stages=2, dv_split=2)),
     "fp8_ds_mla": (SparseMLAConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_post_scale=True),
                    SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
                    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
-                   SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3)),
+                   SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3),
+                   SparseMLAConfig(block_h=128, block_n=32, num_warps=8, num_stages=2, dv_split=2)),
 }
 # The same in tuple form (the benchmark and the kernel tests concatenate it with candidate_tiles()).
 FOCUS_TILES: dict[str, list[tuple]] = {fmt: [c.tile for c in cs] for fmt, cs in FOCUS_CONFIGS.items()}

@@ -107,6 +107,9 @@ CASES = [
     (15, "fp8_ds_mla", 7, 130, 2, 16, "h16n32s3w4p2f"),
     (16, "fp8_ds_mla", 40, 37, 2, 1, "h32n16s1w8p2d2f"),
     (17, "fp8_ds_mla", 3, 90, 3, 64, "h16n32s1w4p2d2"),
+    # the 128-head d2 focus tiles (one warpgroup per 64 heads), with masked heads
+    (27, "bf16", 100, 70, 2, 16, "h128n32s2w8p2d2"),
+    (28, "fp8_ds_mla", 128, 45, 1, 64, "h128n32s1w8p2d2"),
     # per-rank head counts under tensor parallelism, with the shipped heuristic: GLM-5 (64 heads) at
     # TP 8 / 2, DeepSeek-V3.2 (128 heads) at TP 8 -> 8 / 32 / 16 heads per GPU
     (20, "bf16", 8, 64, 2, 64, None),
