@@ -100,14 +100,17 @@ def parse_runs(text: str) -> list[tuple[str, str]]:
 
 def measure(generate, batch, decode_steps: int, repeats: int) -> dict:
     """Time `generate(batch, max_tokens)` (one call = one llm.generate over the whole batch): prefill
-    (max_tokens 1) and decode (1 + decode_steps minus 1), best of `repeats` each, after one warm-up call.
+    (max_tokens 1) and decode (1 + decode_steps minus 1), best of `repeats` each, after one warm-up call of
+    1 + decode_steps tokens.
     -> prefill/decode tokens/s and the wall times they come from."""
     def timed(max_tokens):
         t = time.perf_counter()
         generate(batch, max_tokens)
         return time.perf_counter() - t
 
-    timed(2)  # warm-up: the first prefill of this batch shape, allocator growth
+    # warm-up: one whole prefill + decode call (on the H200 the first such call of an engine took 1.0-2.2 s longer
+    # than the later ones after a max_tokens=2 warm-up: bench/RESULTS.md, stop 28)
+    timed(1 + decode_steps)
     short = [timed(1) for _ in range(repeats)]
     long_ = [timed(1 + decode_steps) for _ in range(repeats)]
     prompt_tokens = sum(len(p) for p in batch)

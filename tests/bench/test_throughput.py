@@ -66,7 +66,7 @@ def test_measure_recovers_the_engine_rates(monkeypatch):
     monkeypatch.setattr(throughput.time, "perf_counter", eng.clock)
     batch = [[5] * 4096 for _ in range(32)]
     res = throughput.measure(eng.generate, batch, decode_steps=128, repeats=2)
-    assert eng.calls == [2, 1, 1, 129, 129]            # warm-up, prefill x2, prefill + decode x2
+    assert eng.calls == [129, 1, 1, 129, 129]          # warm-up, prefill x2, prefill + decode x2
     assert res["prefill_tok_s"] == pytest.approx(50_000.0, rel=1e-6)
     assert res["decode_tok_s"] == pytest.approx(1_600.0, rel=1e-6)
     assert res["prompt_tokens"] == 32 * 4096 and res["decode_tokens"] == 32 * 128
