@@ -484,8 +484,8 @@ FOCUS_DECODE_VARIANTS = [
     ("BN128 ps4 s4", dict(BLOCK_N=128, num_warps=4, num_stages=4, per_sm=4)),
     ("BN128 ps2", dict(BLOCK_N=128, num_warps=4, num_stages=3, per_sm=2)),
     ("BN128 ps8", dict(BLOCK_N=128, num_warps=4, num_stages=3, per_sm=8)),
-    # next_n=2 (T=2) at BLOCK_N 128 compiles to 253 registers on sm_90: 2 programs resident per SM; BLOCK_N 64
-    # to 168 (3 per SM) - the two below, for the T=2 shapes (stop 28's cross-compile; bench/RESULTS.md)
+    # next_n=2 (T=2) at BLOCK_N 128 compiles to 253 registers on sm_90 (2 programs resident per SM), BLOCK_N 64
+    # to 168 (3 per SM): the two below; measured 31-45% slower at T=2 (bench/RESULTS.md, stop 28)
     ("BN64 ps8", dict(BLOCK_N=64, num_warps=4, num_stages=3, per_sm=8)),
     ("BN64 ps8 ahead", dict(BLOCK_N=64, num_warps=4, num_stages=3, per_sm=8, SCALES_AHEAD=True)),
     ("BN256 w8 ps2", dict(BLOCK_N=256, num_warps=8, num_stages=3, per_sm=2)),
