@@ -124,7 +124,8 @@ def focus_configs(fmt, T, H, topk, sm_count, heuristic, prefill):
 # What the mma.sync targets themselves launch (sm_80 and the sm_86/89/120 family: their own table tiles, not
 # sm_90's), timed in the mma.sync child beside sm_90's pick; for fp8_ds_mla also with the tile scales applied
 # after the dots (`f`: the raw e4m3 tile goes to shared memory once as bytes instead of twice dequantised, see
-# the sm_8x tables in overlay/kernels/sparse_mla.py).
+# the sm_8x tables in overlay/kernels/sparse_mla.py); on the H200's mma.sync build `f` measured 6-46% slower
+# than each pick (bench/RESULTS.md, stop 28).
 MMA_SYNC_CAPABILITIES = ((8, 0), (8, 9))
 
 

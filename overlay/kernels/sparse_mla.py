@@ -549,6 +549,8 @@ _THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_
 # [num_warps, 1]), so a 64-head tile at 8 warps computes Q.K^T and the softmax twice, once per warpgroup (the
 # sm_90 TTGIR: warpsPerCTA [8, 1] for 64 rows); 128 heads give each warpgroup 64 heads of its own, and d2 keeps
 # the accumulator at 128 x 256 (226 registers, 221 KB of shared memory, no spill on sm_90 with Triton 3.6).
+# Measured 9-10% slower than h64n64w8p3 at T=128 H=128 on the H200 (the value split gathers every row twice):
+# benchmark candidates only (bench/RESULTS.md).
 FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
     "bf16": (SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
