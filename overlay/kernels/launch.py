@@ -32,7 +32,8 @@ import weakref
 
 import triton
 
-__all__ = ["DirectLauncher", "KeptLaunch", "PlanTable", "reset_plans", "DIRECT_LAUNCH_ENV", "direct_launch_enabled"]
+__all__ = ["DirectLauncher", "KeptLaunch", "PlanTable", "reset_plans", "DIRECT_LAUNCH_ENV", "direct_launch_enabled",
+           "env_switch"]
 
 DIRECT_LAUNCH_ENV = "DSA_OVERLAY_DIRECT_LAUNCH"
 _SUPPORTED_TRITON = ("3.6",)
@@ -43,17 +44,22 @@ except ImportError:  # pragma: no cover - older Triton: no direct launch
     _specialize = None
 
 
-def direct_launch_enabled(environ=None) -> bool:
-    """The kill switch: ``DSA_OVERLAY_DIRECT_LAUNCH=0`` (or false/off/no) sends every launch through
-    Triton's JIT entry. Unset or 1 (true/on/yes): direct launch where it can. Anything else is an error."""
+def env_switch(name: str, off_means: str, environ=None) -> bool:
+    """An on/off environment switch that defaults to on: unset or 1 (true/on/yes) -> True, 0 (false/off/no) ->
+    False; anything else is a one-line error naming the variable and what 0 does (``off_means``)."""
     env = os.environ if environ is None else environ
-    value = env.get(DIRECT_LAUNCH_ENV, "").strip().lower()
+    value = env.get(name, "").strip().lower()
     if value in ("", "1", "true", "on", "yes"):
         return True
     if value in ("0", "false", "off", "no"):
         return False
-    raise ValueError(f"{DIRECT_LAUNCH_ENV}={env.get(DIRECT_LAUNCH_ENV)!r} is not understood; set it to 0 "
-                     "(every launch through Triton's JIT entry) or 1 / unset it")
+    raise ValueError(f"{name}={env.get(name)!r} is not understood; set it to 0 ({off_means}) or 1 / unset it")
+
+
+def direct_launch_enabled(environ=None) -> bool:
+    """The kill switch: ``DSA_OVERLAY_DIRECT_LAUNCH=0`` (or false/off/no) sends every launch through
+    Triton's JIT entry. Unset or 1 (true/on/yes): direct launch where it can. Anything else is an error."""
+    return env_switch(DIRECT_LAUNCH_ENV, "every launch through Triton's JIT entry", environ)
 
 
 def _interpreted() -> bool:

@@ -41,9 +41,12 @@ splits a runtime argument, so a new batch size never recompiles), picked per lau
 :func:`choose_config` from the named tuning tables below, keyed by GPU family and head bucket. No
 autotuning. Measurements behind the tables: bench/RESULTS.md.
 
-Self-contained: torch, triton (3.5 and 3.6) and launch.py beside it: ``apply`` drops this file into vLLM as
-``vllm/_dsa_overlay/kernels/sparse_mla.py``. Runs on every NVIDIA GPU from sm_80 on (A100, A6000/RTX 30xx
-sm_86, L40S/RTX 40xx sm_89, H100/H200 sm_90, RTX 50xx/RTX PRO 6000 sm_120), and on the CPU when
+sm_90 with a bf16 cache runs a Gluon kernel for the 64-head tile where batches are large enough (sparse_mla_sm90.py:
+the same arguments and results, explicit warpgroup layouts; see _GLUON_TUNING).
+
+Self-contained: torch, triton (3.5 and 3.6), launch.py and sparse_mla_sm90.py beside it: ``apply`` drops this
+file into vLLM as ``vllm/_dsa_overlay/kernels/sparse_mla.py``. Runs on every NVIDIA GPU from sm_80 on (A100,
+A6000/RTX 30xx sm_86, L40S/RTX 40xx sm_89, H100/H200 sm_90, RTX 50xx/RTX PRO 6000 sm_120), and on the CPU when
 ``TRITON_INTERPRET=1`` is set before import (``INTERPRETED``; tests).
 """
 
@@ -60,6 +63,9 @@ import triton.language as tl
 from .launch import DirectLauncher as _Launcher
 from .launch import KeptLaunch as _Kept
 from .launch import PlanTable
+from .launch import env_switch as _env_switch
+from .sparse_mla_sm90 import GLUON as _GLUON
+from .sparse_mla_sm90 import _sparse_mla_fwd_sm90_kernel
 
 __all__ = [
     "SparseMLAConfig",
@@ -383,6 +389,9 @@ _fwd_launch = _Launcher(_sparse_mla_fwd_kernel)
 _combine_launch = _Launcher(_sparse_mla_combine_kernel)
 _slots_launch = _Launcher(_request_slots_kernel)
 LAUNCHERS = [_fwd_launch, _combine_launch, _slots_launch]
+_gluon_launch = _Launcher(_sparse_mla_fwd_sm90_kernel) if _GLUON else None
+if _gluon_launch is not None:
+    LAUNCHERS.append(_gluon_launch)
 
 
 @dataclass(frozen=True)
@@ -398,8 +407,10 @@ class SparseMLAConfig:
         (two programs per row: half the fp32 accumulator in registers, twice the score work).
     fp8_post_scale: fp8_ds_mla only: apply the per-row tile scales to the scores and to P after/before
         the dots instead of dequantising the [BLOCK_N, 512] tile (no effect on bf16).
-    String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f],
-        e.g. 'h64n64s1w8p3d2' (dv_split=2) or 'h16n32s8w4p2f' (fp8_post_scale).
+    gluon: sm_90 only, bf16 cache, block_h 64, 8 warps, dv_split 1: the Gluon kernel of sparse_mla_sm90.py
+        (explicit warpgroup layouts: no duplicated score work); num_stages is its number of gather buffers.
+    String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f][g],
+        e.g. 'h64n64s1w8p3d2' (dv_split=2), 'h16n32s8w4p2f' (fp8_post_scale) or 'h64n64s1w8p2g' (gluon).
     Tuple form (``tile``, :func:`candidate_tiles`): everything but num_splits, in field order.
     """
 
@@ -410,36 +421,38 @@ class SparseMLAConfig:
     num_stages: int = 2
     dv_split: int = 1
     fp8_post_scale: bool = False
+    gluon: bool = False
 
     @property
-    def tile(self) -> tuple[int, int, int, int, int, bool]:
+    def tile(self) -> tuple[int, int, int, int, int, bool, bool]:
         """Everything but the split count (what one compile depends on), as a tuple."""
         return (self.block_h, self.block_n, self.num_warps, self.num_stages, self.dv_split,
-                self.fp8_post_scale)
+                self.fp8_post_scale, self.gluon)
 
     def __str__(self) -> str:  # compact form, parsed back by from_string (benchmark sweeps)
         return (f"h{self.block_h}n{self.block_n}s{self.num_splits}"
                 f"w{self.num_warps}p{self.num_stages}"
-                f"{'d%d' % self.dv_split if self.dv_split != 1 else ''}{'f' if self.fp8_post_scale else ''}")
+                f"{'d%d' % self.dv_split if self.dv_split != 1 else ''}{'f' if self.fp8_post_scale else ''}"
+                f"{'g' if self.gluon else ''}")
 
     @classmethod
     def from_string(cls, s: str) -> "SparseMLAConfig":
         import re
 
-        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)(?:d(\d+))?(f)?", s.strip())
+        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)(?:d(\d+))?(f)?(g)?", s.strip())
         if not m:
             raise ValueError(f"bad sparse-MLA config {s!r}: expected e.g. 'h16n32s8w4p2' "
-                             "(block_h, block_n, num_splits, num_warps, num_stages, optional d2 and f)")
+                             "(block_h, block_n, num_splits, num_warps, num_stages, optional d2, f and g)")
         g = m.groups()
-        return cls(*(int(x) for x in g[:5]), int(g[5] or 1), g[6] == "f")
+        return cls(*(int(x) for x in g[:5]), int(g[5] or 1), g[6] == "f", g[7] == "g")
 
     @classmethod
     def from_tile(cls, tile: "tuple | SparseMLAConfig", num_splits: int = 1) -> "SparseMLAConfig":
         """The config of a tile (tuple form or a config) with ``num_splits`` splits."""
         if isinstance(tile, SparseMLAConfig):
             return replace(tile, num_splits=num_splits)
-        bh, bn, nw, ns, dv, post = tile
-        return cls(bh, bn, num_splits, nw, ns, dv, post)
+        bh, bn, nw, ns, dv, post, *gluon = tile
+        return cls(bh, bn, num_splits, nw, ns, dv, post, bool(gluon and gluon[0]))
 
 
 @dataclass(frozen=True)
@@ -540,6 +553,28 @@ for _table in (_LATENCY_TUNING, _THROUGHPUT_TUNING):
     _table.update({("sm100", *key[1:]): entry for key, entry in list(_table.items()) if key[0] == "sm80"})
 _THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2)
 
+# sm_90, bf16, 64-head bucket: the Gluon kernel (sparse_mla_sm90.py; num_stages = its gather buffers) wherever
+# the batch has at least GLUON_MIN_ROWS (token, 64-head group) rows. On the H200 (2026-12-03, bench/RESULTS.md)
+# it took 30-34% off the Triton tile's time at T=128 (H=64 and 128) and at T=4096, 17% at T=32 (4 splits);
+# at T=8 (16 splits) it was 6% slower, so decode-sized batches keep the Triton tile.
+# Used where GLUON_DEFAULT holds: a Triton with Gluon for Hopper, compiled kernels (not the interpreter), and
+# DSA_OVERLAY_GLUON unset or 1 (0: the Triton tiles everywhere, e.g. for a Triton whose Gluon differs).
+_GLUON_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
+    ("sm90", "bf16", 64): SparseMLATuning(SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                                                          gluon=True)),
+}
+GLUON_MIN_ROWS = 16
+GLUON_ENV = "DSA_OVERLAY_GLUON"
+
+
+def _gluon_wanted(environ=None) -> bool:
+    """DSA_OVERLAY_GLUON: unset / 1 (true/on/yes): the Gluon tiles where the tables have one; 0 (false/off/no):
+    never. Anything else is an error naming the variable."""
+    return _env_switch(GLUON_ENV, "the Triton kernel everywhere", environ)
+
+
+GLUON_DEFAULT = _GLUON and not INTERPRETED and _gluon_wanted()
+
 # Variants the benchmark's --focus mode times on sm_90 beside the table tiles (bench/bench_sparse_mla.py);
 # cross-compiled for sm_90 by tests/kernels/test_sparse_mla_xcompile.py so that a faster one can enter
 # _THROUGHPUT_TUNING knowing it fits and does not spill there (with Triton 3.6; under Triton 3.5 the
@@ -550,14 +585,19 @@ _THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_
 # sm_90 TTGIR: warpsPerCTA [8, 1] for 64 rows); 128 heads give each warpgroup 64 heads of its own, and d2 keeps
 # the accumulator at 128 x 256 (226 registers, 221 KB of shared memory, no spill on sm_90 with Triton 3.6).
 # Measured 9-10% slower than h64n64w8p3 at T=128 H=128 on the H200 (the value split gathers every row twice):
-# benchmark candidates only (bench/RESULTS.md).
+# benchmark candidates only (bench/RESULTS.md). The fix that worked is the Gluon tile (sparse_mla_sm90.py), whose
+# score wgmma is laid out by hand over the two warpgroups by keys; its n32 variants with 3-4 buffers lost to n64 x 2.
 FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
     "bf16": (SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, dv_split=2),
              SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3),
              SparseMLAConfig(block_h=128, block_n=32, num_warps=8, num_stages=2, dv_split=2),
-             SparseMLAConfig(block_h=128, block_n=16, num_warps=8, num_stages=2, dv_split=2)),
+             SparseMLAConfig(block_h=128, block_n=16, num_warps=8, num_stages=2, dv_split=2),
+             # sm_90 Gluon kernel (sparse_mla_sm90.py): the score wgmma split over the two warpgroups by keys
+             SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon=True),
+             SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, gluon=True),
+             SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, gluon=True)),
     "fp8_ds_mla": (SparseMLAConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_post_scale=True),
                    SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
                    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
@@ -587,31 +627,40 @@ def _head_bucket(num_heads: int) -> int:
 
 
 def candidate_tiles(capability: tuple[int, int], kv_format: str) -> list[tuple]:
-    """Every tile (block_h, block_n, num_warps, num_stages, dv_split, fp8_post_scale) that
-    :func:`choose_config` can return for a target (SparseMLAConfig.from_tile turns one into a config)."""
+    """Every tile (block_h, block_n, num_warps, num_stages, dv_split, fp8_post_scale, gluon) that
+    :func:`choose_config` can return for a target, with or without Gluon (SparseMLAConfig.from_tile turns
+    one into a config)."""
     fam = _family(capability)
-    tiles = {e.config.tile for (f, fmt, _), e in _THROUGHPUT_TUNING.items() if f == fam and fmt == kv_format}
+    tiles = {e.config.tile for table in (_THROUGHPUT_TUNING, _GLUON_TUNING)
+             for (f, fmt, _), e in table.items() if f == fam and fmt == kv_format}
     tiles.add(_LATENCY_TUNING[(fam, kv_format)].config.tile)
     return sorted(tiles)
 
 
 @functools.cache
 def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "bf16", *,
-                  sm_count: int = 132, capability: tuple[int, int] = (9, 0)) -> SparseMLAConfig:
+                  sm_count: int = 132, capability: tuple[int, int] = (9, 0),
+                  gluon: bool | None = None) -> SparseMLAConfig:
     """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes;
     cached, the result is frozen).
 
     Latency regime (T x ceil(H / 16) <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16): the
-    16-head latency tile. Otherwise the head bucket's throughput tile. Then the top-k list is split so
+    16-head latency tile. Otherwise the head bucket's throughput tile, or its Gluon tile (_GLUON_TUNING)
+    where there is one, ``gluon`` (default GLUON_DEFAULT) allows it and T x ceil(H / 64) >= GLUON_MIN_ROWS.
+    Then the top-k list is split so
     that T x head groups x splits fills the tile's programs-per-SM x sm_count (waves over the SMs), at
     most one split per BLOCK_N tile and never an empty split; splits are merged by lse in a second kernel.
     """
     fam = _family(capability)
     T = max(1, num_tokens)
+    gluon = GLUON_DEFAULT if gluon is None else gluon
     if latency_regime(num_tokens, num_heads, sm_count):
         entry = _LATENCY_TUNING[(fam, kv_format)]
     else:
-        entry = _THROUGHPUT_TUNING[(fam, kv_format, _head_bucket(num_heads))]
+        key = (fam, kv_format, _head_bucket(num_heads))
+        entry = _THROUGHPUT_TUNING[key]
+        if gluon and key in _GLUON_TUNING and T * _cdiv(num_heads, 64) >= GLUON_MIN_ROWS:
+            entry = _GLUON_TUNING[key]
     splits = split_count(num_tokens, num_heads, topk, entry.config, entry.programs_per_sm, sm_count)
     return replace(entry.config, num_splits=splits)
 
@@ -689,6 +738,26 @@ _SLOTS_BLOCK = 1024  # top-k positions per program of _request_slots_kernel
 # inline conversion's extra live values spill (4-56 B on sm_90 with Triton 3.6, tests/kernels/test_sparse_mla_xcompile.py).
 INLINE_PAGED_MAX_BLOCK_H = 32
 INLINE_PAGED = True  # False: always the conversion launch (benchmarks compare the two; reset_plans() after a change)
+
+
+def _check_gluon(config: SparseMLAConfig, kv_format: str, capability: tuple[int, int]) -> None:
+    """A gluon=True config runs sparse_mla_sm90.py's kernel: refuse what it does not do, in one line."""
+    why = None
+    if not _GLUON:
+        why = f"Triton {triton.__version__} has no Gluon for Hopper"
+    elif INTERPRETED:
+        why = "Gluon kernels do not run in Triton's interpreter"
+    elif capability[0] != 9:
+        why = f"it is an sm_90 kernel (this GPU is sm_{capability[0]}{capability[1]})"
+    elif kv_format != "bf16":
+        why = f"it reads a bf16 cache, not {kv_format}"
+    elif (config.block_h, config.num_warps, config.dv_split, config.fp8_post_scale) != (64, 8, 1, False):
+        why = "it is the 64-head, 8-warp tile without d2 or f"
+    elif config.block_n not in (32, 64) or config.num_stages < 2:
+        why = "block_n must be 32 or 64 and num_stages (gather buffers) >= 2"
+    if why:
+        raise ValueError(f"sparse_mla_attention: config {config} (gluon) cannot run: {why}; "
+                         "leave config unset for the default")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -921,9 +990,12 @@ class _Plan:
         if config is None:
             config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
         bh, bn = config.block_h, config.block_n
+        if config.gluon:
+            _check_gluon(config, kv_format, capability)
+            self.kept = (_Kept(_gluon_launch),) + self.kept[1:]
         # request-local positions: the attention kernel reads the block table itself (inline) in the latency regime
         # for tiles of up to INLINE_PAGED_MAX_BLOCK_H heads; otherwise one small launch converts them to slot ids first
-        self.inline = (paged and INLINE_PAGED and bh <= INLINE_PAGED_MAX_BLOCK_H
+        self.inline = (paged and INLINE_PAGED and bh <= INLINE_PAGED_MAX_BLOCK_H and not config.gluon
                        and latency_regime(T, H, sm_count))
         self.convert = paged and not self.inline
         max_blocks, stride_btr = (block_table.shape[1], block_table.stride(0)) if self.inline else (0, 0)
@@ -954,6 +1026,8 @@ class _Plan:
             BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split,
             FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla", PAGED=self.inline,
             num_warps=config.num_warps, num_stages=config.num_stages)
+        if config.gluon:  # its gather buffers are num_stages; Triton does not software-pipeline Gluon code
+            self.fwd_kw.update(NUM_BUF=config.num_stages, P_SWIZZLE=min(128, 2 * bn), num_stages=1)
         if self.split:
             chunk, block_d = _combine_bucket(num_splits)
             self.comb_grid = (T * H, KV_LORA_RANK // block_d)

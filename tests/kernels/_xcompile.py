@@ -58,6 +58,7 @@ class Compiled:
     ptxas: str           # path of the ptxas that produced the numbers
     ptxas_log: str
     traps: int = 0       # `trap;` instructions in the PTX: Triton lowers a construct it cannot compile for
+    wgmma: dict = None   # {"m64n32k16": count, ...}: warpgroup MMA instructions in the PTX, by shape
                          # the target to a lone trap (the kernel then compiles, fits, never spills, and dies)
 
     @property
@@ -83,7 +84,7 @@ def ptxas_path(cc: int) -> str:
 
 def cross_compile(fn, signature: dict, constexprs: dict, cc: int, *, num_warps: int, num_stages: int,
                   divisible_by_16: tuple[str, ...] = ()) -> Compiled:
-    """Compile ``fn`` (a non-interpreted JITFunction) for sm_<cc> and run ptxas -v on its PTX.
+    """Compile ``fn`` (a non-interpreted JITFunction, or a Gluon one) for sm_<cc> and run ptxas -v on its PTX.
 
     signature: {arg name: Triton type string ("*bf16", "i32", "fp32", "constexpr")} for every argument.
     constexprs: {arg name: value} for the constexpr arguments.
@@ -92,7 +93,10 @@ def cross_compile(fn, signature: dict, constexprs: dict, cc: int, *, num_warps: 
     """
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible_by_16}
-    src = ASTSource(fn=fn, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+    source = ASTSource
+    if type(fn).__name__ == "GluonJITFunction":  # Gluon code has its own front end (layouts, no passes that pick them)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=signature, constexprs=dict(constexprs), attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
@@ -114,7 +118,15 @@ def cross_compile(fn, signature: dict, constexprs: dict, cc: int, *, num_warps: 
     if not (regs and st and ld):
         raise RuntimeError(f"could not parse ptxas -v output:\n{log}")
     return Compiled(cc, int(kernel.metadata.shared), int(regs.group(1)), int(st.group(1)),
-                    int(ld.group(1)), tool, log, count_traps(ptx))
+                    int(ld.group(1)), tool, log, count_traps(ptx), count_wgmma(ptx))
+
+
+def count_wgmma(ptx: str) -> dict:
+    """wgmma.mma_async instructions in PTX by shape, e.g. {"m64n32k16": 36}."""
+    counts: dict = {}
+    for shape in re.findall(r"wgmma\.mma_async\.\S*?\.(m\d+n\d+k\d+)\.", ptx):
+        counts[shape] = counts.get(shape, 0) + 1
+    return counts
 
 
 def count_traps(ptx: str) -> int:

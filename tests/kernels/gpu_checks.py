@@ -66,6 +66,9 @@ MLA = [
     (408, "fp8_ds_mla", 32, 130, 9, 1, 400),  # block_size 1
     (409, "bf16", 5, 7, 3, 16, 3),            # odd sizes
     (410, "fp8_ds_mla", 100, 97, 2, 64, 4),
+    # sm_90 bf16 with >= GLUON_MIN_ROWS (token, 64-head) rows: the Gluon tile (sparse_mla_sm90.py) by default
+    (411, "bf16", 128, 2048, 20, 64, 40),     # 128 heads (two head groups), top-k 2048 in splits
+    (412, "bf16", 100, 301, 17, 1, 400),      # a half-empty second head group, odd top-k, block_size 1
 ]
 
 

@@ -63,7 +63,9 @@ def _worker(cc: int) -> None:
     assert type(M._sparse_mla_fwd_kernel).__name__ == "JITFunction"
     capability = TARGETS[cc]
     for fmt in M.KV_FORMATS:
-        for (bh, bn, nw, ns, dv, post) in M.candidate_tiles(capability, fmt) + extra_tiles(capability, fmt):
+        for (bh, bn, nw, ns, dv, post, gluon) in M.candidate_tiles(capability, fmt) + extra_tiles(capability, fmt):
+            if gluon:
+                continue  # the sm_90 Gluon kernel: tests/kernels/test_sparse_mla_sm90.py cross-compiles it
             # request-local indices are converted inline (PAGED) only by tiles of up to INLINE_PAGED_MAX_BLOCK_H heads
             inline = (False, True) if bh <= M.INLINE_PAGED_MAX_BLOCK_H else (False,)
             for split, paged in ((split, paged) for split in (False, True) for paged in inline):

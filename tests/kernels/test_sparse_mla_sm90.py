@@ -1,0 +1,147 @@
+"""The sm_90 Gluon sparse-MLA kernel (overlay/kernels/sparse_mla_sm90.py) on a machine without a GPU.
+
+Gluon does not run in Triton's interpreter, so its numbers are checked on a GPU (tests/kernels/gpu_checks.py: every
+Gluon tile of the tables and the focus list, the heuristic cases that pick it, bit-identity of the direct launch,
+the backend's request-local path). Here: it cross-compiles for sm_90 under every Triton the project meets (the
+installed one, 3.5.1, and the newest vLLM venv's), fits in shared memory, never spills, and is the kernel it claims
+to be: each warpgroup issues the score wgmma for its own half of the key block (36 = 576 / 16 instructions of
+m64 x n(BLOCK_N / 2)), not for all of it as the Triton tile's chained-dot layout does; and the launch rules that
+decide where it runs (tables, refusals, the kill switch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overlay.kernels import sparse_mla as M
+from tests import vllm_envs
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+WORKER = HERE / "_gluon_xcompile_worker.py"
+NEWEST_VLLM = "0.33.0"  # the newest vLLM venv .ci/run makes: its Triton is the newest the overlay meets
+
+
+def _python(tri: str) -> str:
+    if tri == "installed":
+        return sys.executable
+    if tri == "3.5.1":
+        from tests.kernels import _triton35
+
+        return _triton35.python()
+    py, _ = vllm_envs.require(NEWEST_VLLM)
+    return str(py)
+
+
+@pytest.mark.parametrize("tri", ["installed", "3.5.1", f"vllm-{NEWEST_VLLM}"])
+def test_gluon_kernel_cross_compiles_for_sm90_as_designed(tri):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([_python(tri), str(WORKER)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=900)
+    assert proc.returncode == 0, f"Gluon cross-compile under {tri} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    tiles = {str(M.SparseMLAConfig.from_tile(t)) for f in M.KV_FORMATS
+             for t in M.candidate_tiles((9, 0), f) + M.FOCUS_TILES.get(f, []) if t[6]}
+    assert tiles and {r["tile"] for r in rows} == tiles and len(rows) == 2 * len(tiles)  # split and unsplit
+    for r in rows:
+        c = M.SparseMLAConfig.from_string(r["tile"])
+        what = f"triton {r['triton']} {r['tile']} split={r['split']}: {r}"
+        assert r["shared"] <= r["limit"] and not (r["spill_stores"] or r["spill_loads"] or r["traps"]), what
+        # per warpgroup: scores of its BLOCK_N / 2 keys over K = 576 (36 steps of 16), once; P.V: its 64 of
+        # each 128-column tile over K = BLOCK_N (4 tiles x BLOCK_N / 16 steps). Nothing else.
+        assert r["wgmma"] == {f"m64n{c.block_n // 2}k16": 36, "m64n64k16": 4 * c.block_n // 16}, what
+
+
+def test_gluon_config_strings_and_tiles():
+    c = M.SparseMLAConfig(64, 64, 3, 8, 2, gluon=True)
+    assert str(c) == "h64n64s3w8p2g" and M.SparseMLAConfig.from_string("h64n64s3w8p2g") == c
+    assert M.SparseMLAConfig.from_tile(c.tile, 5) == M.SparseMLAConfig(64, 64, 5, 8, 2, gluon=True)
+    # six-field tuples (no gluon flag) still read as Triton tiles
+    assert M.SparseMLAConfig.from_tile((64, 64, 8, 3, 1, False), 2) == M.SparseMLAConfig(64, 64, 2, 8, 3)
+    assert (64, 64, 8, 2, 1, False, True) in M.candidate_tiles((9, 0), "bf16")
+    for cap, fmt in [((9, 0), "fp8_ds_mla"), ((8, 0), "bf16"), ((8, 9), "bf16"), ((12, 0), "bf16"),
+                     ((10, 0), "bf16")]:
+        assert not any(t[6] for t in M.candidate_tiles(cap, fmt)), (cap, fmt)
+
+
+@pytest.mark.parametrize("H", [64, 100, 128])
+def test_choose_config_takes_the_gluon_tile_from_gluon_min_rows(H):
+    groups = -(-H // 64)
+    for T in (1, 2, 4, 8, 9, 16, 33, 128, 4096):
+        c = M.choose_config(T, H, 2048, "bf16", capability=(9, 0), gluon=True)
+        latency = M.latency_regime(T, H)
+        assert c.gluon == (not latency and T * groups >= M.GLUON_MIN_ROWS), (T, H, c)
+        if c.gluon:
+            assert c.tile == M._GLUON_TUNING[("sm90", "bf16", 64)].config.tile and c.num_splits >= 1
+        # without Gluon: the same config where it was not Gluon, else the bucket's Triton tile
+        t = M.choose_config(T, H, 2048, "bf16", capability=(9, 0), gluon=False)
+        assert t == c if not c.gluon else t.tile == M._THROUGHPUT_TUNING[("sm90", "bf16", 64)].config.tile
+    for cap, fmt in [((9, 0), "fp8_ds_mla"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((12, 0), "bf16")]:
+        assert not M.choose_config(4096, H, 2048, fmt, capability=cap, gluon=True).gluon, (cap, fmt)
+
+
+def test_interpreted_runs_never_default_to_gluon():
+    # the suite interprets (tests/conftest.py): the default must be the Triton kernel, which runs here
+    assert M.INTERPRETED and not M.GLUON_DEFAULT
+    assert not M.choose_config(4096, 64, 2048, "bf16", capability=(9, 0)).gluon
+
+
+def test_gluon_env_switch():
+    assert M._gluon_wanted({}) and M._gluon_wanted({"DSA_OVERLAY_GLUON": "1"})
+    assert M._gluon_wanted({"DSA_OVERLAY_GLUON": " On "})
+    assert not M._gluon_wanted({"DSA_OVERLAY_GLUON": "0"}) and not M._gluon_wanted({"DSA_OVERLAY_GLUON": "off"})
+    with pytest.raises(ValueError, match="DSA_OVERLAY_GLUON='maybe'"):
+        M._gluon_wanted({"DSA_OVERLAY_GLUON": "maybe"})
+
+
+def test_gluon_env_switch_reaches_the_default_in_a_compiled_process():
+    """DSA_OVERLAY_GLUON=0 takes the Gluon tile out of the default in a process that compiles (no interpreter)."""
+    code = ("from overlay.kernels import sparse_mla as M; import sys; "
+            "sys.stdout.write(f'{M.GLUON_DEFAULT} {M.choose_config(4096, 64, 2048, \"bf16\", capability=(9, 0))}')")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    got = {}
+    for value in ("1", "0"):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              env={**env, "DSA_OVERLAY_GLUON": value}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        got[value] = proc.stdout.split()
+    assert got["1"] == ["True", "h64n64s1w8p2g"] and got["0"] == ["False", "h64n64s1w8p3"], got
+
+
+@pytest.mark.parametrize("config,why", [
+    ("h64n64s1w8p2g", "interpreter"),
+])
+def test_a_gluon_config_is_refused_in_one_line_where_it_cannot_run(config, why):
+    import torch
+
+    case_q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=why) as e:
+        M.sparse_mla_attention(case_q, cache, idx, 0.1, config=M.SparseMLAConfig.from_string(config))
+    assert "\n" not in str(e.value) and config in str(e.value)
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(kv_format="fp8_ds_mla"), "bf16 cache"),
+    (dict(capability=(8, 9)), "sm_90 kernel"),
+    (dict(capability=(12, 0)), "sm_90 kernel"),
+    (dict(config="h32n64s1w8p2g"), "64-head"),
+    (dict(config="h64n64s1w4p2g"), "64-head"),
+    (dict(config="h64n64s1w8p2d2g"), "64-head"),
+    (dict(config="h64n16s1w8p2g"), "block_n"),
+    (dict(config="h64n64s1w8p1g"), "gather buffers"),
+])
+def test_check_gluon_names_what_it_does_not_do(kw, why, monkeypatch):
+    monkeypatch.setattr(M, "INTERPRETED", False)  # past the interpreter refusal, to the others
+    config = M.SparseMLAConfig.from_string(kw.get("config", "h64n64s1w8p2g"))
+    with pytest.raises(ValueError, match=why) as e:
+        M._check_gluon(config, kw.get("kv_format", "bf16"), kw.get("capability", (9, 0)))
+    assert "\n" not in str(e.value)
+    M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p4g"), "bf16", (9, 0))  # a valid one passes
