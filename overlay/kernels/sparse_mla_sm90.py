@@ -1,8 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sparse MLA attention for sm_90 (H100/H200) in Gluon: the 64-head tile with explicit warpgroup layouts.
 
-Same computation, arguments and outputs as ``sparse_mla._sparse_mla_fwd_kernel`` (bf16 cache, slot ids, with or
-without top-k splits); :func:`sparse_mla.sparse_mla_attention` launches it for a config with ``gluon=True``.
+Same computation, arguments and outputs as ``sparse_mla._sparse_mla_fwd_kernel`` (bf16 or fp8_ds_mla cache, slot
+ids, with or without top-k splits); :func:`sparse_mla.sparse_mla_attention` launches it for a config with
+``gluon=True``. fp8_ds_mla: the raw e4m3 bytes are gathered (two buffers) and dequantised once per block into one
+bf16 operand that both dots read (the Triton tile keeps them in registers and stores them to shared memory per dot).
+On the H200 that path is correct but 8-12% slower than the Triton tile (the dequantisation sits between two CTA
+barriers with nothing to overlap it), so only bf16 is a default; fp8_ds_mla is a benchmark candidate.
 
 Why it exists: in the plain Triton kernel a 64-head tile needs 8 warps (the [64, 512] fp32 accumulator is 128
 registers per thread over two warpgroups), and Triton gives a dot whose result feeds another dot all its warps
@@ -42,20 +46,27 @@ NUM_WARPS = 8  # two warpgroups
 
 if GLUON:
     @gluon.jit
-    def _gather_block(kv_ptr, idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt,
-                      kA_s, kB_s, kC_s, kD_s, kr_s, buf, BLOCK_N: gl.constexpr, LD: gl.constexpr):
-        """Start the cp.async gathers of KV rows idx[n0 : n0 + BLOCK_N] into buffer ``buf`` (one commit group).
-        Invalid or past-the-end slots read nothing (their rows are zero-filled; their scores are masked to -inf):
-        a padded top-k list (a prompt's first tokens have fewer than top-k keys) must not send every program to
-        one address (unmasked, they read row 0: 2x slower on a causal 4096-token prompt on the H200)."""
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    def _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N: gl.constexpr,
+              L: gl.constexpr):
+        """(row offset from kv_ptr, valid) of slots idx[n0 : n0 + BLOCK_N], as rows of layout L (elements for
+        bf16, bytes for fp8_ds_mla). Invalid and past-the-end slots: valid False, offset 0."""
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
         nmask = offs_n < end
         slot = gl.load(idx_row + offs_n, mask=nmask, other=-1)
         valid = nmask & (slot >= 0) & (slot < num_slots)
         slot = gl.where(valid, slot, 0)
         blk = slot // block_size
         off = slot - blk * block_size
-        row = blk.to(gl.int64) * stride_kvb + off.to(gl.int64) * stride_kvt
+        return blk.to(gl.int64) * stride_kvb + off.to(gl.int64) * stride_kvt, valid
+
+    @gluon.jit
+    def _gather_block(kv_ptr, idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt,
+                      kA_s, kB_s, kC_s, kD_s, kr_s, buf, BLOCK_N: gl.constexpr, LD: gl.constexpr):
+        """bf16 cache: start the cp.async gathers of KV rows idx[n0 : n0 + BLOCK_N] into buffer ``buf`` (one commit
+        group). Invalid or past-the-end slots read nothing (their rows are zero-filled; their scores are masked to
+        -inf): a padded top-k list (a prompt's first tokens have fewer than top-k keys) must not send every program
+        to one address (unmasked, they read row 0: 2x slower when every index is invalid, on the H200)."""
+        row, valid = _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N, LD)
         d = gl.arange(0, 128, layout=gl.SliceLayout(0, LD))
         r = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
         base = kv_ptr + row[:, None]
@@ -66,6 +77,34 @@ if GLUON:
         _cp_async(kD_s.index(buf), base + (384 + d[None, :]), mask=m)
         _cp_async(kr_s.index(buf), base + (512 + r[None, :]), mask=m)
         async_copy.commit_group()
+
+    @gluon.jit
+    def _gather_block_fp8(kv_ptr, idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt,
+                          raw_s, kr_s, buf, BLOCK_N: gl.constexpr, LD: gl.constexpr, LDB: gl.constexpr):
+        """fp8_ds_mla cache: start the cp.async gathers of rows idx[n0 : n0 + BLOCK_N] (one commit group): the 512
+        e4m3 bytes into raw_s[buf] (dequantised after they land), the 64 bf16 rope values into kr_s[buf] (a wgmma
+        operand as they are). Invalid slots read nothing, as in _gather_block."""
+        row, valid = _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N, LDB)
+        b = gl.arange(0, 512, layout=gl.SliceLayout(0, LDB))
+        _cp_async(raw_s.index(buf), kv_ptr + row[:, None] + b[None, :], mask=valid[:, None])
+        row, valid = _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N, LD)
+        r = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
+        rope = (kv_ptr + row + 528).to(gl.pointer_type(gl.bfloat16))
+        _cp_async(kr_s.index(buf), rope[:, None] + r[None, :], mask=valid[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _dequant_block(kv_ptr, idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, raw, kN_s,
+                       BLOCK_N: gl.constexpr, LD8: gl.constexpr):
+        """fp8_ds_mla: the landed e4m3 bytes of block n0 (raw, [BLOCK_N, 512]) times their row's tile scale (read
+        from global memory: 16 bytes per row) into the four bf16 [BLOCK_N, 128] wgmma operands kN_s[0..3].
+        Invalid rows were zero-filled and get scale 0."""
+        row, valid = _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N, LD8)
+        sc = (kv_ptr + row + 512).to(gl.pointer_type(gl.float32))
+        for c in gl.static_range(4):
+            x = raw.slice(c * 128, 128, dim=1).load(LD8).to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            scale = gl.load(sc + c, mask=valid, other=0.0)
+            kN_s.index(c).store((x * scale[:, None]).to(gl.bfloat16))
 
     @gluon.jit
     def _sparse_mla_fwd_sm90_kernel(
@@ -83,7 +122,7 @@ if GLUON:
         # P_SWIZZLE: the swizzle of P's [64, BLOCK_N] bf16 rows, min(128, 2 * BLOCK_N) bytes (the launcher's).
         # The Triton kernel's argument list, so one launch plan serves both; the variants it has and this one
         # has not are refused at compile time (the config check refuses them first).
-        gl.static_assert(not IS_FP8, "the sm_90 Gluon kernel reads a bf16 cache")
+        gl.static_assert(not IS_FP8 or (NUM_BUF == 2 and FP8_NATIVE), "fp8_ds_mla: 2 buffers, native e4m3")
         gl.static_assert(not PAGED, "the sm_90 Gluon kernel reads slot ids")
         gl.static_assert(DV_SPLIT == 1, "the sm_90 Gluon kernel has no dv_split")
         gl.static_assert(BLOCK_H == 64, "the sm_90 Gluon kernel is a 64-head tile")
@@ -93,6 +132,8 @@ if GLUON:
         # S_L scores (warpgroup w: key columns [w * BLOCK_N/2, ...)); O_L each 128-column output tile
         # (warpgroup w: columns [64 w, 64 w + 64) of it). Shared layouts: 128-byte swizzled wgmma operands.
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        LD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])  # fp8 bytes: [BLOCK_N, 128] tiles
+        LDB: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [8, 1], [1, 0])  # fp8 bytes: [BLOCK_N, 512] rows
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
@@ -123,11 +164,18 @@ if GLUON:
         qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SH,
                                          gl.load(qr_row[:, None] + r[None, :], mask=hmask[:, None], other=0.0))
 
-        kA_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
-        kB_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
-        kC_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
-        kD_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
+        # KV operands. bf16: NUM_BUF buffers of the gathered rows, each a wgmma operand as it lands. fp8_ds_mla: two
+        # buffers of raw e4m3 bytes (and of the bf16 rope values), dequantised into one bf16 operand per block.
         kr_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 64], SH)
+        if IS_FP8:
+            raw_s = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, 512],
+                                              gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+            kN_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, 128], SH)
+        else:
+            kA_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
+            kB_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
+            kC_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
+            kD_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
         p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], P_SH)
 
         start = sp * split_len
@@ -135,8 +183,12 @@ if GLUON:
         idx_row = idx_ptr + t.to(gl.int64) * stride_it
         n_iter = gl.cdiv(end - start, BLOCK_N)
         for j in gl.static_range(NUM_BUF - 1):  # prologue: the first NUM_BUF - 1 blocks in flight
-            _gather_block(kv_ptr, idx_row, start + j * BLOCK_N, end, num_slots, block_size, stride_kvb, stride_kvt,
-                          kA_s, kB_s, kC_s, kD_s, kr_s, j, BLOCK_N, LD)
+            if IS_FP8:
+                _gather_block_fp8(kv_ptr, idx_row, start + j * BLOCK_N, end, num_slots, block_size, stride_kvb,
+                                  stride_kvt, raw_s, kr_s, j, BLOCK_N, LD, LDB)
+            else:
+                _gather_block(kv_ptr, idx_row, start + j * BLOCK_N, end, num_slots, block_size, stride_kvb,
+                              stride_kvt, kA_s, kB_s, kC_s, kD_s, kr_s, j, BLOCK_N, LD)
         fence_async_shared()  # Q's shared-memory stores before the first wgmma reads them
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -150,17 +202,28 @@ if GLUON:
             buf = i % NUM_BUF
             n0 = start + i * BLOCK_N
             # Block i has landed once at most NUM_BUF - 2 newer groups are pending; the barrier also means every
-            # warp is done with iteration i - 1 (its wgmmas read the buffer refilled below, and P).
+            # warp is done with iteration i - 1 (its wgmmas read the buffer refilled below, P and fp8's operand).
             async_copy.wait_group(NUM_BUF - 2)
             fence_async_shared()
             _barrier()
-            _gather_block(kv_ptr, idx_row, n0 + (NUM_BUF - 1) * BLOCK_N, end, num_slots, block_size, stride_kvb,
-                          stride_kvt, kA_s, kB_s, kC_s, kD_s, kr_s, (i + NUM_BUF - 1) % NUM_BUF, BLOCK_N, LD)
-
-            kA = kA_s.index(buf)
-            kB = kB_s.index(buf)
-            kC = kC_s.index(buf)
-            kD = kD_s.index(buf)
+            if IS_FP8:
+                _gather_block_fp8(kv_ptr, idx_row, n0 + BLOCK_N, end, num_slots, block_size, stride_kvb, stride_kvt,
+                                  raw_s, kr_s, (i + 1) % 2, BLOCK_N, LD, LDB)
+                _dequant_block(kv_ptr, idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt,
+                               raw_s.index(buf), kN_s, BLOCK_N, LD8)
+                fence_async_shared()  # the dequantised stores before the wgmmas read them
+                _barrier()
+                kA = kN_s.index(0)
+                kB = kN_s.index(1)
+                kC = kN_s.index(2)
+                kD = kN_s.index(3)
+            else:
+                _gather_block(kv_ptr, idx_row, n0 + (NUM_BUF - 1) * BLOCK_N, end, num_slots, block_size, stride_kvb,
+                              stride_kvt, kA_s, kB_s, kC_s, kD_s, kr_s, (i + NUM_BUF - 1) % NUM_BUF, BLOCK_N, LD)
+                kA = kA_s.index(buf)
+                kB = kB_s.index(buf)
+                kC = kC_s.index(buf)
+                kD = kD_s.index(buf)
             s = warpgroup_mma(qr_s, kr_s.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma(qA_s, kA.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma(qB_s, kB.permute((1, 0)), s, is_async=True)

@@ -1,6 +1,6 @@
 """Worker of tests/kernels/test_sparse_mla_sm90.py: cross-compile the sm_90 Gluon sparse-MLA kernel
 (overlay/kernels/sparse_mla_sm90.py) for every Gluon tile the launch tables and the benchmark's focus list hold,
-split and unsplit, and print one JSON line per build (shared memory, registers, spills, traps, wgmma count).
+for its cache format, split and unsplit, and print one JSON line per build (shared memory, registers, spills, traps, wgmma count).
 
 No pytest here: it runs under the Triton of another venv too (3.5.1's, and the newest vLLM venv's, whose
 venv has no pytest). ``python tests/kernels/_gluon_xcompile_worker.py``.
@@ -32,27 +32,29 @@ DIVISIBLE = ("q_ptr", "qr_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_p
 
 
 def gluon_tiles() -> list[tuple]:
-    """Every Gluon tile the sm_90 tables can pick and the benchmark's focus list times."""
-    tiles = [t for f in M.KV_FORMATS for t in M.candidate_tiles((9, 0), f) + M.FOCUS_TILES.get(f, [])]
-    return sorted({t for t in tiles if M.SparseMLAConfig.from_tile(t).gluon})
+    """(format, tile) of every Gluon tile the sm_90 tables can pick and the benchmark's focus list times."""
+    tiles = [(f, t) for f in M.KV_FORMATS for t in M.candidate_tiles((9, 0), f) + M.FOCUS_TILES.get(f, [])]
+    return sorted({(f, t) for f, t in tiles if M.SparseMLAConfig.from_tile(t).gluon})
 
 
 def main() -> None:
     fn = G._sparse_mla_fwd_sm90_kernel
     assert type(fn).__name__ == "GluonJITFunction", type(fn)
-    for tile in gluon_tiles():
+    for fmt, tile in gluon_tiles():
         c = M.SparseMLAConfig.from_tile(tile)
+        fp8 = fmt == "fp8_ds_mla"
         for split in (False, True):
-            ptrs = {"q_ptr": "*bf16", "qr_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "req_ptr": "*i32",
+            ptrs = {"q_ptr": "*bf16", "qr_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
+                    "req_ptr": "*i32",
                     "bt_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
                     "po_ptr": "*fp32" if split else "*bf16", "plse_ptr": "*fp32" if split else "*bf16"}
             sig = {p.name: ("constexpr" if p.is_constexpr else ptrs.get(p.name, "fp32" if p.name == "sm_scale_log2"
                                                                         else "i32")) for p in fn.params}
-            consts = dict(IS_FP8=False, FP8_NATIVE=True, SPLIT=split, DOT_F32=False, BLOCK_H=c.block_h,
+            consts = dict(IS_FP8=fp8, FP8_NATIVE=True, SPLIT=split, DOT_F32=False, BLOCK_H=c.block_h,
                           BLOCK_N=c.block_n, DV_SPLIT=c.dv_split, FP8_POST=False, PAGED=False,
                           NUM_BUF=c.num_stages, P_SWIZZLE=min(128, 2 * c.block_n))
             r = cross_compile(fn, sig, consts, 90, num_warps=c.num_warps, num_stages=1, divisible_by_16=DIVISIBLE)
-            print(json.dumps(dict(triton=triton.__version__, tile=str(c), split=split, shared=r.shared,
+            print(json.dumps(dict(triton=triton.__version__, fmt=fmt, tile=str(c), split=split, shared=r.shared,
                                   limit=SHARED_LIMIT[90], regs=r.registers, spill_stores=r.spill_stores,
                                   spill_loads=r.spill_loads, traps=r.traps,
                                   wgmma=r.wgmma)), flush=True)

@@ -46,9 +46,10 @@ def test_gluon_kernel_cross_compiles_for_sm90_as_designed(tri):
                           timeout=900)
     assert proc.returncode == 0, f"Gluon cross-compile under {tri} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    tiles = {str(M.SparseMLAConfig.from_tile(t)) for f in M.KV_FORMATS
+    tiles = {(f, str(M.SparseMLAConfig.from_tile(t))) for f in M.KV_FORMATS
              for t in M.candidate_tiles((9, 0), f) + M.FOCUS_TILES.get(f, []) if t[6]}
-    assert tiles and {r["tile"] for r in rows} == tiles and len(rows) == 2 * len(tiles)  # split and unsplit
+    assert {f for f, _ in tiles} == set(M.KV_FORMATS)
+    assert {(r["fmt"], r["tile"]) for r in rows} == tiles and len(rows) == 2 * len(tiles)  # split and unsplit
     for r in rows:
         c = M.SparseMLAConfig.from_string(r["tile"])
         what = f"triton {r['triton']} {r['tile']} split={r['split']}: {r}"
@@ -129,7 +130,8 @@ def test_a_gluon_config_is_refused_in_one_line_where_it_cannot_run(config, why):
 
 
 @pytest.mark.parametrize("kw,why", [
-    (dict(kv_format="fp8_ds_mla"), "bf16 cache"),
+    (dict(kv_format="fp8_ds_mla", config="h64n64s1w8p3g"), "2 gather buffers"),
+    (dict(kv_format="nvfp4"), "not nvfp4"),
     (dict(capability=(8, 9)), "sm_90 kernel"),
     (dict(capability=(12, 0)), "sm_90 kernel"),
     (dict(config="h32n64s1w8p2g"), "64-head"),
@@ -144,4 +146,5 @@ def test_check_gluon_names_what_it_does_not_do(kw, why, monkeypatch):
     with pytest.raises(ValueError, match=why) as e:
         M._check_gluon(config, kw.get("kv_format", "bf16"), kw.get("capability", (9, 0)))
     assert "\n" not in str(e.value)
-    M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p4g"), "bf16", (9, 0))  # a valid one passes
+    M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p4g"), "bf16", (9, 0))  # valid ones pass
+    M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w8p2g"), "fp8_ds_mla", (9, 0))
