@@ -53,6 +53,7 @@ A6000/RTX 30xx sm_86, L40S/RTX 40xx sm_89, H100/H200 sm_90, RTX 50xx/RTX PRO 600
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -892,7 +893,43 @@ def sparse_mla_attention(
     if plan is None:  # validates every argument; a repeat call with the same key reuses it
         plan = _PLANS.keep(key, _Plan(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id,
                                       _fp8_native))
-    return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
+    if not plan.default_gluon:
+        return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
+    try:
+        return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
+    except Exception as e:  # noqa: BLE001 - only a failed build of the Gluon kernel is handled, the rest re-raised
+        if not _gluon_build_failed(e):
+            raise
+        _stop_gluon(e)
+    return sparse_mla_attention(q, kv_cache, indices, softmax_scale, kv_format, out=out, lse=lse,
+                                block_table=block_table, req_id=req_id, _fp8_native=_fp8_native)
+
+
+# The heuristic's Gluon tile is built at its first launch. If this Triton cannot build it (a Gluon API that moved,
+# a compiler error, a resource limit), that launch falls back to the Triton tile, and so does every later call: one
+# warning in the log, never a failed forward. A config that names the Gluon tile itself still raises.
+_log = logging.getLogger(__name__)
+
+
+def _gluon_build_failed(e: BaseException) -> bool:
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    return (isinstance(e, (CompilationError, OutOfResources, PTXASError))
+            or (isinstance(e, RuntimeError) and "PassManager" in str(e)))
+
+
+def _stop_gluon(e: BaseException) -> None:
+    global GLUON_DEFAULT
+    GLUON_DEFAULT = False
+    choose_config.cache_clear()
+    _PLANS.reset()
+    # a CompilationError's text starts with the source position; its message is what says why
+    why = (getattr(e, "error_message", None) or (str(e).strip().splitlines() or [""])[-1]).strip()
+    first = " ".join(why.split())[:200]
+    _log.warning("dsa-overlay: the sm_90 Gluon attention tile did not build with Triton %s (%s: %s); the Triton "
+                 "tile runs instead from now on (%s=0 skips the attempt)", triton.__version__, type(e).__name__,
+                 first, GLUON_ENV)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -988,12 +1025,14 @@ class _Plan:
             raise ValueError(f"sparse_mla_attention: lse must be float32 [T, H], got {lse.dtype} {tuple(lse.shape)}")
         self.T, self.H, self.topk = T, H, topk
         self.kept = (_Kept(_fwd_launch), _Kept(_combine_launch), _Kept(_slots_launch))
+        self.default_gluon = False  # the heuristic (no config given) picked the Gluon tile
         self.partials = None  # (stream, _PARTIALS.gen, po, plse) of the workspace views last used
         if T == 0:
             return
         capability, sm_count = _device_info(q.device)
         if config is None:
             config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
+            self.default_gluon = config.gluon
         bh, bn = config.block_h, config.block_n
         if config.gluon:
             _check_gluon(config, kv_format, capability)

@@ -148,3 +148,82 @@ def test_check_gluon_names_what_it_does_not_do(kw, why, monkeypatch):
     assert "\n" not in str(e.value)
     M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p4g"), "bf16", (9, 0))  # valid ones pass
     M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w8p2g"), "fp8_ds_mla", (9, 0))
+
+
+class _BrokenGluonLaunch:
+    """Stands in for the Gluon kernel's launcher: its first launch fails the way a Triton without the Gluon API
+    this kernel uses fails (a CompilationError out of the front end), or with any other error."""
+
+    def __init__(self, error):
+        self.error, self.calls = error, 0
+
+    def __call__(self, grid, *args, **kwargs):
+        self.calls += 1
+        raise self.error
+
+
+def _compilation_error(msg):
+    import ast
+
+    from triton.compiler.errors import CompilationError
+
+    return CompilationError(None, ast.parse("gl.thread_barrier()").body[0], msg)
+
+
+@pytest.fixture
+def MI(monkeypatch):
+    """The kernel module loaded for the interpreter as tests/kernels/test_sparse_mla.py loads it, with its heuristic
+    as on an H200 (the Gluon tile by default)."""
+    from tests.kernels._interp import load_interpreted
+
+    mod = load_interpreted(ROOT / "overlay" / "kernels" / "sparse_mla.py", "_sparse_mla_sm90_fallback")
+    monkeypatch.setattr(mod, "GLUON_DEFAULT", True)
+    monkeypatch.setattr(mod, "_check_gluon", lambda *a: None)
+    mod.choose_config.cache_clear()
+    yield mod
+    mod.choose_config.cache_clear()
+
+
+def _small_case(seed):
+    from tests.kernels import _cases as C
+
+    return C.mla_case(seed, "bf16", 64, 40, 17, 16, num_blocks=6)  # 17 rows of 64 heads: the Gluon tile's shapes
+
+
+def test_a_gluon_tile_that_does_not_build_falls_back_to_the_triton_tile_once(MI, monkeypatch, caplog):
+    from tests.kernels import _cases as C
+
+    broken = _BrokenGluonLaunch(_compilation_error("module 'gluon.language' has no attribute 'thread_barrier'"))
+    monkeypatch.setattr(MI, "_gluon_launch", broken)
+    case = _small_case(441)
+    assert MI.choose_config(17, 64, 40, "bf16").gluon  # what the call below plans first
+    out, lse = C.poisoned_mla_outputs(17, 64)
+    with caplog.at_level("WARNING"):
+        MI.sparse_mla_attention(case.q, case.cache, case.idx, case.scale, out=out, lse=lse)
+        MI.sparse_mla_attention(case.q, case.cache, case.idx, case.scale, out=out, lse=lse)
+    C.check_mla(out, lse, case.ref(), C.MLA_INTERP_BF16, case.what)  # the Triton tile's result
+    assert broken.calls == 1  # tried once; the second call planned the Triton tile straight away
+    warnings = [r for r in caplog.records if "Gluon attention tile did not build" in r.getMessage()]
+    assert len(warnings) == 1 and "DSA_OVERLAY_GLUON=0" in warnings[0].getMessage()
+    assert "\n" not in warnings[0].getMessage() and "no attribute 'thread_barrier'" in warnings[0].getMessage()
+    assert not MI.GLUON_DEFAULT and not MI.choose_config(17, 64, 40, "bf16").gluon
+
+
+def test_other_errors_of_the_gluon_tile_are_not_swallowed(MI, monkeypatch):
+    broken = _BrokenGluonLaunch(ValueError("not a build failure"))
+    monkeypatch.setattr(MI, "_gluon_launch", broken)
+    case = _small_case(442)
+    with pytest.raises(ValueError, match="not a build failure"):
+        MI.sparse_mla_attention(case.q, case.cache, case.idx, case.scale)
+    assert MI.GLUON_DEFAULT  # still on
+
+
+def test_a_gluon_config_given_by_the_caller_is_not_replaced(MI, monkeypatch):
+    from triton.compiler.errors import CompilationError
+
+    monkeypatch.setattr(MI, "_gluon_launch", _BrokenGluonLaunch(_compilation_error("no Gluon here")))
+    case = _small_case(443)
+    with pytest.raises(CompilationError):
+        MI.sparse_mla_attention(case.q, case.cache, case.idx, case.scale,
+                               config=MI.SparseMLAConfig.from_string("h64n64s1w8p2g"))
+    assert MI.GLUON_DEFAULT
