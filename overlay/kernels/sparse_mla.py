@@ -174,7 +174,7 @@ def _sparse_mla_fwd_kernel(
     sm_scale_log2,
     IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
-    PAGED: tl.constexpr = False,
+    PAGED: tl.constexpr = False, SKIP_TAIL: tl.constexpr = True,
 ):
     # program -> (token, split, value half, head group), head group fastest: programs that share a
     # token's KV rows run side by side and hit L2 for each other.
@@ -228,6 +228,21 @@ def _sparse_mla_fwd_kernel(
     end = start + split_len
     end = tl.where(end < topk, end, topk)
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    if SKIP_TAIL:
+        # Trailing invalid indices change nothing (the indexer pads a list with -1 where a token has fewer than
+        # top-k keys: a prompt's first tokens, every token of a shorter context): the loop ends after this split's
+        # last valid index, and a split past it does no work.
+        last = start - 1
+        for c0 in range(start, end, 1024):
+            offs = c0 + tl.arange(0, 1024)
+            inside = offs < end
+            v = tl.load(idx_row + offs, mask=inside, other=-1)
+            if PAGED:
+                ok = inside & (v >= 0)
+            else:
+                ok = inside & (v >= 0) & (v < num_slots)
+            last = tl.maximum(last, tl.max(tl.where(ok, offs, -1), 0))
+        end = last + 1
     if PAGED:
         bt_row = bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_btr
         num_blocks = num_slots // block_size
@@ -742,6 +757,11 @@ _SLOTS_BLOCK = 1024  # top-k positions per program of _request_slots_kernel
 # inline conversion's extra live values spill (4-56 B on sm_90 with Triton 3.6, tests/kernels/test_sparse_mla_xcompile.py).
 INLINE_PAGED_MAX_BLOCK_H = 32
 INLINE_PAGED = True  # False: always the conversion launch (benchmarks compare the two; reset_plans() after a change)
+SKIP_TAIL = True  # False: the kernels walk every index of a split, -1 tail included (benchmarks; reset_plans() after)
+# The tail scan costs a dependent index load before a program's loop (~1 us): measured on the H200 (bench/RESULTS.md)
+# 7-9% slower at T=1 (32 splits of one 64-row block), 5-29% faster where splits hold 8+ blocks (T=32, T=128 at 16
+# heads with a 500-700-entry context, a causal 4096-token prompt). Splits of fewer blocks than this walk the tail.
+SKIP_TAIL_MIN_BLOCKS = 4
 
 
 def _check_gluon(config: SparseMLAConfig, kv_format: str, capability: tuple[int, int]) -> None:
@@ -1069,6 +1089,7 @@ class _Plan:
             IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=self.split, DOT_F32=INTERPRETED,
             BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split,
             FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla", PAGED=self.inline,
+            SKIP_TAIL=SKIP_TAIL and split_len >= SKIP_TAIL_MIN_BLOCKS * bn,
             num_warps=config.num_warps, num_stages=config.num_stages)
         if config.gluon:  # its gather buffers are num_stages; Triton does not software-pipeline Gluon code
             self.fwd_kw.update(NUM_BUF=config.num_stages, P_SWIZZLE=min(128, 2 * bn), num_stages=1)

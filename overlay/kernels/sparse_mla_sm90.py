@@ -117,7 +117,8 @@ if GLUON:
         sm_scale_log2,
         IS_FP8: gl.constexpr, FP8_NATIVE: gl.constexpr, SPLIT: gl.constexpr, DOT_F32: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DV_SPLIT: gl.constexpr = 1, FP8_POST: gl.constexpr = False,
-        PAGED: gl.constexpr = False, NUM_BUF: gl.constexpr = 2, P_SWIZZLE: gl.constexpr = 128,
+        PAGED: gl.constexpr = False, SKIP_TAIL: gl.constexpr = True, NUM_BUF: gl.constexpr = 2,
+        P_SWIZZLE: gl.constexpr = 128,
     ):
         # P_SWIZZLE: the swizzle of P's [64, BLOCK_N] bf16 rows, min(128, 2 * BLOCK_N) bytes (the launcher's).
         # The Triton kernel's argument list, so one launch plan serves both; the variants it has and this one
@@ -181,7 +182,18 @@ if GLUON:
         start = sp * split_len
         end = gl.minimum(start + split_len, topk)
         idx_row = idx_ptr + t.to(gl.int64) * stride_it
+        # Trailing invalid indices change nothing (a prompt's first tokens have fewer than top-k keys; the indexer
+        # pads their lists with -1): the loop ends after this split's last valid index (none: no iteration).
         n_iter = gl.cdiv(end - start, BLOCK_N)
+        if SKIP_TAIL:
+            scan = gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [8], [0]))  # 4 indices per thread
+            last = start - 1
+            for c0 in range(start, end, 1024):
+                offs = c0 + scan
+                inside = offs < end
+                slot = gl.load(idx_row + offs, mask=inside, other=-1)
+                last = gl.maximum(last, gl.max(gl.where(inside & (slot >= 0) & (slot < num_slots), offs, -1), 0))
+            n_iter = gl.cdiv(last + 1 - start, BLOCK_N)
         for j in gl.static_range(NUM_BUF - 1):  # prologue: the first NUM_BUF - 1 blocks in flight
             if IS_FP8:
                 _gather_block_fp8(kv_ptr, idx_row, start + j * BLOCK_N, end, num_slots, block_size, stride_kvb,

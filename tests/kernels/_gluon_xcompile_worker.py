@@ -50,7 +50,7 @@ def main() -> None:
                     "po_ptr": "*fp32" if split else "*bf16", "plse_ptr": "*fp32" if split else "*bf16"}
             sig = {p.name: ("constexpr" if p.is_constexpr else ptrs.get(p.name, "fp32" if p.name == "sm_scale_log2"
                                                                         else "i32")) for p in fn.params}
-            consts = dict(IS_FP8=fp8, FP8_NATIVE=True, SPLIT=split, DOT_F32=False, BLOCK_H=c.block_h,
+            consts = dict(IS_FP8=fp8, FP8_NATIVE=True, SPLIT=split, DOT_F32=False, BLOCK_H=c.block_h, SKIP_TAIL=True,
                           BLOCK_N=c.block_n, DV_SPLIT=c.dv_split, FP8_POST=False, PAGED=False,
                           NUM_BUF=c.num_stages, P_SWIZZLE=min(128, 2 * c.block_n))
             r = cross_compile(fn, sig, consts, 90, num_warps=c.num_warps, num_stages=1, divisible_by_16=DIVISIBLE)

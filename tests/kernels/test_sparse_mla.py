@@ -420,3 +420,56 @@ def test_q_pair_is_read_in_place(fmt):
         M.sparse_mla_attention((q_nope, q_pe, q_pe), cache, idx, 0.08, fmt)
     with pytest.raises(ValueError, match="differ in dtype"):
         M.sparse_mla_attention((q_nope, q_pe.float()), cache, idx, 0.08, fmt)
+
+
+@pytest.mark.parametrize("fmt,paged", [("bf16", False), ("fp8_ds_mla", False), ("fp8_ds_mla", True)],
+                         ids=["bf16-slot-ids", "fp8-slot-ids", "fp8-request-local"])
+def test_a_trailing_invalid_tail_is_skipped_bit_for_bit(fmt, paged, monkeypatch):
+    """Index lists padded with invalid ids at the end (a prompt's first tokens, a context shorter than top-k) end
+    each split's loop at its last valid index (SKIP_TAIL): splits wholly in the tail do no work, and the result is
+    the reference's and bit-identical to walking the whole list (a skipped block would only have multiplied by 1
+    and added 0)."""
+    r = random.Random(451)
+    T, H, topk = 6, 5, 300
+    case = C.mla_case(451, fmt, H, topk, T, 16, num_blocks=9, invalid_row=False)
+    nslots = case.cache.shape[0] * case.cache.shape[1]
+    # valid heads of 0, 1, 37, 64, 200 and 300 entries, the tails of every kind of invalid id (and an invalid id
+    # or two inside the valid head)
+    for t, n in enumerate((0, 1, 37, 64, 200, 300)):
+        case.idx[t, n:] = torch.tensor([r.choice([-1, -7, nslots, nslots + 5]) for _ in range(topk - n)],
+                                       dtype=torch.int32)
+    case.idx[4, 10] = -1
+    kw = {}
+    if paged:  # request-local positions of one request whose table maps position p to slot p (the same rows)
+        kw = dict(block_table=torch.arange(case.cache.shape[0], dtype=torch.int32).view(1, -1),
+                  req_id=torch.zeros(T, dtype=torch.int32))
+        case.idx = torch.where(case.idx >= nslots, -3, case.idx)  # request-local: past the table = negative here
+    ref = case.ref()
+    results = {}
+    for skip in (True, False):
+        monkeypatch.setattr(M, "SKIP_TAIL", skip)
+        for splits in (1, 4):  # 4 splits of 80: the last ones wholly in the tail for most tokens
+            config = M.SparseMLAConfig(16, 16, splits, 4, 2)
+            o, l = run_poisoned(case, torch.float32, config=config, **kw)
+            C.check_mla(o, l, ref, C.MLA_INTERP_F32, f"{case.what} skip={skip} splits={splits}")
+            results[(skip, splits)] = (o, l)
+    for splits in (1, 4):
+        assert torch.equal(results[(True, splits)][0], results[(False, splits)][0])
+        assert torch.equal(results[(True, splits)][1], results[(False, splits)][1])
+
+
+def test_the_tail_scan_runs_only_where_splits_hold_several_blocks(monkeypatch):
+    """SKIP_TAIL's scan is a dependent load before the loop: splits of fewer than SKIP_TAIL_MIN_BLOCKS blocks (the
+    batch-1 latency tile: 32 splits of one block) walk their few blocks instead; and SKIP_TAIL=False turns it off."""
+    case = C.mla_case(452, "bf16", 64, 2048, 1, 64, num_blocks=40)
+
+    def scans(config):
+        plan = M._Plan(case.q, case.cache, case.idx, "bf16", None, None, config, None, None, None)
+        return plan.fwd_kw["SKIP_TAIL"]
+
+    assert not scans(M.SparseMLAConfig(16, 64, 32, 8, 2))  # split_len 64 = 1 block
+    assert not scans(M.SparseMLAConfig(16, 64, 16, 8, 2))  # 2 blocks
+    assert scans(M.SparseMLAConfig(16, 64, 8, 8, 2))       # 4 blocks
+    assert scans(M.SparseMLAConfig(64, 64, 1, 8, 3))       # 32 blocks
+    monkeypatch.setattr(M, "SKIP_TAIL", False)
+    assert not scans(M.SparseMLAConfig(64, 64, 1, 8, 3))
