@@ -913,12 +913,10 @@ def sparse_mla_attention(
     if plan is None:  # validates every argument; a repeat call with the same key reuses it
         plan = _PLANS.keep(key, _Plan(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id,
                                       _fp8_native))
-    if not plan.default_gluon:
-        return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
     try:
         return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
-    except Exception as e:  # noqa: BLE001 - only a failed build of the Gluon kernel is handled, the rest re-raised
-        if not _gluon_build_failed(e):
+    except Exception as e:  # noqa: BLE001 - only a failed build of the heuristic's Gluon tile is handled
+        if not (plan.default_gluon and _gluon_build_failed(e)):
             raise
         _stop_gluon(e)
     return sparse_mla_attention(q, kv_cache, indices, softmax_scale, kv_format, out=out, lse=lse,

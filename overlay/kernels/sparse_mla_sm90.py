@@ -40,20 +40,24 @@ except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
 GLUON = gluon is not None
-BLOCK_H = 64  # heads per program: one wgmma M per warpgroup
-NUM_WARPS = 8  # two warpgroups
 
 
 if GLUON:
+    @gluon.jit
+    def _slots(idx_row, n0, end, num_slots, BLOCK_N: gl.constexpr, V: gl.constexpr):
+        """(slot, valid) of idx[n0 : n0 + BLOCK_N] in the 1-D layout V: past the end, negative or past the cache
+        is invalid."""
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=V)
+        nmask = offs_n < end
+        slot = gl.load(idx_row + offs_n, mask=nmask, other=-1)
+        return slot, nmask & (slot >= 0) & (slot < num_slots)
+
     @gluon.jit
     def _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N: gl.constexpr,
               L: gl.constexpr):
         """(row offset from kv_ptr, valid) of slots idx[n0 : n0 + BLOCK_N], as rows of layout L (elements for
         bf16, bytes for fp8_ds_mla). Invalid and past-the-end slots: valid False, offset 0."""
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
-        nmask = offs_n < end
-        slot = gl.load(idx_row + offs_n, mask=nmask, other=-1)
-        valid = nmask & (slot >= 0) & (slot < num_slots)
+        slot, valid = _slots(idx_row, n0, end, num_slots, BLOCK_N, gl.SliceLayout(1, L))
         slot = gl.where(valid, slot, 0)
         blk = slot // block_size
         off = slot - blk * block_size
@@ -243,10 +247,7 @@ if GLUON:
             s = warpgroup_mma(qD_s, kD.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
 
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-            nmask = offs_n < end
-            slot = gl.load(idx_row + offs_n, mask=nmask, other=-1)
-            valid = nmask & (slot >= 0) & (slot < num_slots)
+            _, valid = _slots(idx_row, n0, end, num_slots, BLOCK_N, gl.SliceLayout(0, S_L))
             s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: avoid -inf - -inf

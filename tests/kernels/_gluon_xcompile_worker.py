@@ -18,18 +18,13 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from _xcompile import SHARED_LIMIT, cross_compile  # noqa: E402  (puts a torch stand-in in place if needed)
+from _xcompile import SHARED_LIMIT, cross_compile, signature  # noqa: E402  (puts a torch stand-in in place if needed)
+from _sparse_mla_args import DIVISIBLE, FLOATS, fwd_pointer_types  # noqa: E402
 
 import triton  # noqa: E402
 
 from overlay.kernels import sparse_mla as M  # noqa: E402
 from overlay.kernels import sparse_mla_sm90 as G  # noqa: E402
-
-# as a real launch specialises them for typical inputs (16-byte aligned pointers and strides)
-DIVISIBLE = ("q_ptr", "qr_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr", "plse_ptr", "block_size",
-             "split_len", "stride_qt", "stride_qh", "stride_kvb", "stride_kvt", "stride_it", "stride_ot",
-             "stride_oh")
-
 
 def gluon_tiles() -> list[tuple]:
     """(format, tile) of every Gluon tile the sm_90 tables can pick and the benchmark's focus list times."""
@@ -44,12 +39,7 @@ def main() -> None:
         c = M.SparseMLAConfig.from_tile(tile)
         fp8 = fmt == "fp8_ds_mla"
         for split in (False, True):
-            ptrs = {"q_ptr": "*bf16", "qr_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
-                    "req_ptr": "*i32",
-                    "bt_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-                    "po_ptr": "*fp32" if split else "*bf16", "plse_ptr": "*fp32" if split else "*bf16"}
-            sig = {p.name: ("constexpr" if p.is_constexpr else ptrs.get(p.name, "fp32" if p.name == "sm_scale_log2"
-                                                                        else "i32")) for p in fn.params}
+            sig = signature(fn, fwd_pointer_types(fmt, split), FLOATS)
             consts = dict(IS_FP8=fp8, FP8_NATIVE=True, SPLIT=split, DOT_F32=False, BLOCK_H=c.block_h, SKIP_TAIL=True,
                           BLOCK_N=c.block_n, DV_SPLIT=c.dv_split, FP8_POST=False, PAGED=False,
                           NUM_BUF=c.num_stages, P_SWIZZLE=min(128, 2 * c.block_n))

@@ -82,6 +82,13 @@ def ptxas_path(cc: int) -> str:
         return path if os.path.exists(path) else os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
 
 
+def signature(fn, pointer_types: dict, floats: tuple[str, ...] = ()) -> dict:
+    """{argument: Triton type} of a (Gluon or Triton) JIT function: constexpr parameters "constexpr", those in
+    ``pointer_types`` their pointer type, those in ``floats`` "fp32", the rest "i32"."""
+    return {p.name: "constexpr" if p.is_constexpr else pointer_types.get(p.name, "fp32" if p.name in floats else "i32")
+            for p in fn.params}
+
+
 def cross_compile(fn, signature: dict, constexprs: dict, cc: int, *, num_warps: int, num_stages: int,
                   divisible_by_16: tuple[str, ...] = ()) -> Compiled:
     """Compile ``fn`` (a non-interpreted JITFunction, or a Gluon one) for sm_<cc> and run ptxas -v on its PTX.

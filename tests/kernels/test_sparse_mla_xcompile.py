@@ -22,27 +22,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TARGETS = {80: (8, 0), 86: (8, 6), 89: (8, 9), 90: (9, 0), 100: (10, 0), 120: (12, 0), 121: (12, 1)}
 
-# Arguments a real launch specialises as 16-divisible for the shapes the product sees (aligned
-# allocations; 576-/656-wide rows; block sizes and top-k multiples of 16).
-DIVISIBLE = ("q_ptr", "qr_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "po_ptr", "plse_ptr", "block_size",
-             "split_len", "stride_qt", "stride_qh", "stride_kvb", "stride_kvt", "stride_it", "stride_ot",
-             "stride_oh")
-
-
-def _signature(fn, pointer_types: dict, floats=("sm_scale_log2",)) -> dict:
-    sig = {}
-    for p in fn.params:
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-        elif p.name in pointer_types:
-            sig[p.name] = pointer_types[p.name]
-        elif p.name in floats:
-            sig[p.name] = "fp32"
-        else:
-            sig[p.name] = "i32"
-    return sig
-
-
 def extra_tiles(capability, fmt) -> list:
     """Variants the benchmark's --focus sweep times on sm_90 beside the table (sparse_mla.FOCUS_TILES),
     so that a faster one can enter the table knowing it compiles, fits and does not spill there."""
@@ -56,7 +35,8 @@ def extra_tiles(capability, fmt) -> list:
 def _worker(cc: int) -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(HERE))
-    from _xcompile import SHARED_LIMIT, cross_compile
+    from _sparse_mla_args import DIVISIBLE, FLOATS, fwd_pointer_types
+    from _xcompile import SHARED_LIMIT, cross_compile, signature
 
     from overlay.kernels import sparse_mla as M
 
@@ -69,14 +49,11 @@ def _worker(cc: int) -> None:
             # request-local indices are converted inline (PAGED) only by tiles of up to INLINE_PAGED_MAX_BLOCK_H heads
             inline = (False, True) if bh <= M.INLINE_PAGED_MAX_BLOCK_H else (False,)
             for split, paged in ((split, paged) for split in (False, True) for paged in inline):
-                ptrs = {"q_ptr": "*bf16", "qr_ptr": "*bf16", "kv_ptr": "*u8" if fmt == "fp8_ds_mla" else "*bf16",
-                        "idx_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*bf16",
-                        "lse_ptr": "*fp32", "po_ptr": "*fp32" if split else "*bf16",
-                        "plse_ptr": "*fp32" if split else "*bf16"}
                 consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=capability >= (8, 9), SPLIT=split,
                               DOT_F32=False, BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=dv,
                               FP8_POST=post and fmt == "fp8_ds_mla", PAGED=paged)
-                c = cross_compile(M._sparse_mla_fwd_kernel, _signature(M._sparse_mla_fwd_kernel, ptrs),
+                c = cross_compile(M._sparse_mla_fwd_kernel,
+                                  signature(M._sparse_mla_fwd_kernel, fwd_pointer_types(fmt, split), FLOATS),
                                   consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
                 print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns, dv, int(post)],
                                       split=split, paged=paged,
@@ -84,14 +61,14 @@ def _worker(cc: int) -> None:
                                       spill_stores=c.spill_stores, spill_loads=c.spill_loads,
                                       traps=c.traps)), flush=True)
     ptrs = {"idx_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i32"}
-    c = cross_compile(M._request_slots_kernel, _signature(M._request_slots_kernel, ptrs), {"BLOCK": M._SLOTS_BLOCK},
+    c = cross_compile(M._request_slots_kernel, signature(M._request_slots_kernel, ptrs), {"BLOCK": M._SLOTS_BLOCK},
                       cc, num_warps=4, num_stages=1, divisible_by_16=("idx_ptr", "slot_ptr", "topk", "stride_it"))
     print(json.dumps(dict(kernel="slots", cc=cc, fmt="-", tile=[M._SLOTS_BLOCK], split=False, shared=c.shared,
                           limit=SHARED_LIMIT[cc], regs=c.registers, spill_stores=c.spill_stores,
                           spill_loads=c.spill_loads, traps=c.traps)), flush=True)
     ptrs = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
     for _, chunk, block_d in M._COMBINE_BUCKETS:
-        c = cross_compile(M._sparse_mla_combine_kernel, _signature(M._sparse_mla_combine_kernel, ptrs),
+        c = cross_compile(M._sparse_mla_combine_kernel, signature(M._sparse_mla_combine_kernel, ptrs),
                           {"CHUNK_S": chunk, "BLOCK_D": block_d}, cc,
                           num_warps=4, num_stages=1, divisible_by_16=("po_ptr", "out_ptr", "stride_ot", "stride_oh"))
         print(json.dumps(dict(kernel="combine", cc=cc, fmt="-", tile=[chunk, block_d], split=True,
