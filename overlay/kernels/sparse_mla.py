@@ -233,8 +233,8 @@ def _sparse_mla_fwd_kernel(
         # top-k keys: a prompt's first tokens, every token of a shorter context): the loop ends after this split's
         # last valid index, and a split past it does no work.
         last = start - 1
-        for c0 in range(start, end, 1024):
-            offs = c0 + tl.arange(0, 1024)
+        for i0 in range(start, end, 1024):  # not c0: that is the program's value half, read again at the store
+            offs = i0 + tl.arange(0, 1024)
             inside = offs < end
             v = tl.load(idx_row + offs, mask=inside, other=-1)
             if PAGED:

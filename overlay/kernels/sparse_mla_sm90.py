@@ -192,8 +192,8 @@ if GLUON:
         if SKIP_TAIL:
             scan = gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [8], [0]))  # 4 indices per thread
             last = start - 1
-            for c0 in range(start, end, 1024):
-                offs = c0 + scan
+            for i0 in range(start, end, 1024):
+                offs = i0 + scan
                 inside = offs < end
                 slot = gl.load(idx_row + offs, mask=inside, other=-1)
                 last = gl.maximum(last, gl.max(gl.where(inside & (slot >= 0) & (slot < num_slots), offs, -1), 0))

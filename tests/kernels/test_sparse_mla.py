@@ -446,16 +446,18 @@ def test_a_trailing_invalid_tail_is_skipped_bit_for_bit(fmt, paged, monkeypatch)
         case.idx = torch.where(case.idx >= nslots, -3, case.idx)  # request-local: past the table = negative here
     ref = case.ref()
     results = {}
+    # dv 2: two programs per row, one of which stores the lse (the scan once reused that choice's variable)
+    runs = [(splits, dv) for splits in (1, 4) for dv in (1, 2)]
     for skip in (True, False):
         monkeypatch.setattr(M, "SKIP_TAIL", skip)
-        for splits in (1, 4):  # 4 splits of 80: the last ones wholly in the tail for most tokens
-            config = M.SparseMLAConfig(16, 16, splits, 4, 2)
+        for splits, dv in runs:  # 4 splits of 80: the last ones wholly in the tail for most tokens
+            config = M.SparseMLAConfig(16, 16, splits, 4, 2, dv)
             o, l = run_poisoned(case, torch.float32, config=config, **kw)
-            C.check_mla(o, l, ref, C.MLA_INTERP_F32, f"{case.what} skip={skip} splits={splits}")
-            results[(skip, splits)] = (o, l)
-    for splits in (1, 4):
-        assert torch.equal(results[(True, splits)][0], results[(False, splits)][0])
-        assert torch.equal(results[(True, splits)][1], results[(False, splits)][1])
+            C.check_mla(o, l, ref, C.MLA_INTERP_F32, f"{case.what} skip={skip} config={config}")
+            results[(skip, splits, dv)] = (o, l)
+    for key in runs:
+        assert torch.equal(results[(True, *key)][0], results[(False, *key)][0])
+        assert torch.equal(results[(True, *key)][1], results[(False, *key)][1])
 
 
 def test_the_tail_scan_runs_only_where_splits_hold_several_blocks(monkeypatch):
