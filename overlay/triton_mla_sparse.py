@@ -6,9 +6,11 @@ metadata builder that turns scheduler state into tensors once per step, and an i
 
 Differences from FLASHMLA_SPARSE, by design: every CUDA capability >= 8.0; any number of heads
 (no padding to 64/128); any index_topk (no multiple-of-128 rule); the fp8_ds_mla cache is read by
-the same kernel for prefill and decode (no bf16 up-conversion workspace). One code path serves
-decode, prefill and chunked prefill: each query token attends to its own top-k cached slots, and
-the current chunk's KV is already in the cache when `forward_mqa` runs.
+the same kernel for decode and for prefills against long contexts; a step's requests that prefill
+enough tokens against a short enough context read a bf16 copy of their context instead, as
+FLASHMLA_SPARSE does (triton_mla_sparse_ops.plan_fp8_prefill; DSA_OVERLAY_FP8_PREFILL_BF16=0: never). One
+code path serves decode, prefill and chunked prefill: each query token attends to its own top-k cached
+slots, and the current chunk's KV is already in the cache when `forward_mqa` runs.
 
 The same file serves every supported release. Its bases are picked by what the installed vLLM
 provides: 0.26+ has `SparseMLACommonImpl` / `SparseMLACommonMetadataBuilder` (sparse_mla_attention.py),
@@ -162,6 +164,12 @@ class TritonMLASparseMetadata(AttentionMetadata):
     prefill_max_seq_len: int = 0
     prefill: object | None = None  # MLACommonPrefillMetadata
     cp_kv_cache_interleave_size: int = 1
+    # Host copies for the fp8_ds_mla prefill plan (ops.plan_fp8_prefill), made once per step by the first layer
+    # that needs it and kept here for the others.
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None  # an upper bound is enough; None: read seq_lens when needed
+    fp8_segments: list | None = None
+    fp8_planned: bool = False
 
 
 class TritonMLASparseMetadataBuilder(_BuilderBase[TritonMLASparseMetadata]):
@@ -196,9 +204,14 @@ class TritonMLASparseMetadataBuilder(_BuilderBase[TritonMLASparseMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> TritonMLASparseMetadata:
-        if SHARED_SPARSE_BASES:  # 0.26+: the shared builder, prefill split and MHA metadata included
-            return super().build(common_prefix_len, common_attn_metadata, fast_build)
         cm = common_attn_metadata
+        host_seq_lens = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        if host_seq_lens is None:
+            host_seq_lens = getattr(cm, "_seq_lens_cpu", None)  # 0.16-0.22: set by the model runner
+        if SHARED_SPARSE_BASES:  # 0.26+: the shared builder, prefill split and MHA metadata included
+            md = super().build(common_prefix_len, cm, fast_build)
+            md.query_start_loc_cpu, md.seq_lens_cpu = cm.query_start_loc_cpu, host_seq_lens
+            return md
         req_ids = ops.req_id_per_token(cm.query_start_loc_cpu)
         # Zero the tail so CUDA-graph padding tokens read request 0's (valid) block table row.
         self.req_id_per_token_buffer.fill_(0)
@@ -214,6 +227,9 @@ class TritonMLASparseMetadataBuilder(_BuilderBase[TritonMLASparseMetadata]):
             req_id_per_token=self.req_id_per_token_buffer,
             block_size=self.kv_cache_spec.block_size,
             topk_tokens=self.topk_tokens,
+            seq_lens=cm.seq_lens,
+            query_start_loc_cpu=cm.query_start_loc_cpu,
+            seq_lens_cpu=host_seq_lens,
         )
 
 
@@ -266,6 +282,10 @@ class TritonMLASparseImpl(_ImplBase[TritonMLASparseMetadata]):
         self.softmax_scale = float(scale)
         self.kv_format = ops.kv_format_for(kv_cache_dtype)
         self.supports_quant_query_input = False  # the kernel takes the bf16 (ql_nope, q_pe) pair
+        # fp8_ds_mla: the prefill workspace, made now so that vLLM's memory profile sees it (one per device, shared)
+        self.fp8_ws_rows = 0
+        if self.kv_format == "fp8_ds_mla" and ops.fp8_workspace_enabled():
+            self.fp8_ws_rows = _reserve_fp8_workspace()
 
     def forward_mqa(
         self,
@@ -283,5 +303,33 @@ class TritonMLASparseImpl(_ImplBase[TritonMLASparseMetadata]):
             attn_metadata.block_size,
             self.softmax_scale,
             self.kv_format,
+            segments=self._fp8_segments(attn_metadata, kv_c_and_k_pe_cache),
         )
         return out, None
+
+    def _fp8_segments(self, md: TritonMLASparseMetadata, kv_cache: torch.Tensor) -> list | None:
+        """The step's fp8_ds_mla prefill plan (None: every token reads the fp8 cache), made by the first layer."""
+        if not self.fp8_ws_rows or md.max_query_len < ops.FP8_WS_MIN_QUERY or md.query_start_loc_cpu is None:
+            return None
+        if not md.fp8_planned:
+            seq_lens = md.seq_lens_cpu if md.seq_lens_cpu is not None else md.seq_lens.cpu()
+            md.fp8_segments = ops.plan_fp8_prefill(md.query_start_loc_cpu, seq_lens, md.block_size,
+                                                   self.fp8_ws_rows // md.block_size, kv_cache.device)
+            md.fp8_planned = True
+        return md.fp8_segments
+
+
+def _reserve_fp8_workspace() -> int:
+    """Reserve the fp8_ds_mla prefill workspace for the engine being built; returns its size in cache rows."""
+    import vllm.config as vc
+
+    try:  # 0.32+ raises outside an engine's config context (and has the _or_none twin)
+        config = getattr(vc, "get_current_vllm_config_or_none", vc.get_current_vllm_config)()
+    except AssertionError:
+        config = None
+    model, cache = getattr(config, "model_config", None), getattr(config, "cache_config", None)
+    max_model_len, block_size = getattr(model, "max_model_len", None), getattr(cache, "block_size", None)
+    if not max_model_len or not block_size or not torch.cuda.is_available():
+        # no engine being built (a unit test): made on first use, for contexts of up to 4096 rows
+        return ops.FP8_WS_CONTEXTS * (max_model_len or 4096)
+    return ops.reserve_fp8_workspace(max_model_len, block_size, torch.device("cuda", torch.cuda.current_device()))

@@ -8,6 +8,7 @@ cross-compile tests, which need compiled kernels, run in a subprocess without it
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -71,6 +72,32 @@ def fp8_downcast_fix() -> None:
 
     fixed._dsa_fp8_fix = True
     interpreter._convert_float = fixed
+
+
+@contextlib.contextmanager
+def bf16_rounding():
+    """Within the block, Triton's interpreter rounds float32 -> bfloat16 casts to nearest even, as the GPU does
+    (`cvt.rn.bf16.f32`); the interpreter (3.5-3.9) truncates the mantissa (`.to(tl.bfloat16)` passes no rounding
+    mode), 1 ulp off for half the values. Restores the interpreter's own conversion afterwards, so tests that
+    compare two interpreted kernels bit for bit see one rule throughout."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+
+    def fixed(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype != tl.float32 or output_dtype != tl.bfloat16:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        x = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+        return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(input.shape)
+
+    interpreter._convert_float = fixed
+    try:
+        yield
+    finally:
+        interpreter._convert_float = original
 
 
 def load_interpreted(path: Path, name: str):

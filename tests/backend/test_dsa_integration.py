@@ -112,7 +112,13 @@ assert type(K._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
 H, TOPK, NUM_BLOCKS = 3, 40, 12
 SCALE = (192 + 64) ** -0.5 * 1.37   # qk_head_dim**-0.5 times a yarn-like mscale, not 576**-0.5
 results = {}
-for kv_format, kv_dtype in (("bf16", "auto"), ("fp8_ds_mla", "fp8_ds_mla")):
+# fp8_ds_mla+ws: the two prefills read a bf16 copy of their context (the workspace plan, its query-length floor
+# lowered to fit this batch); fp8_ds_mla: every token reads the fp8 cache (no request reaches the default floor)
+for name, kv_format, kv_dtype, ws_min_query in (("bf16", "bf16", "auto", None),
+                                                 ("fp8_ds_mla", "fp8_ds_mla", "fp8_ds_mla", None),
+                                                 ("fp8_ds_mla+ws", "fp8_ds_mla", "fp8_ds_mla", 16)):
+    if ws_min_query:
+        tms.ops.FP8_WS_MIN_QUERY = ws_min_query
     # two decodes, a chunked-prefill continuation crossing TOPK, a fresh prefill shorter than TOPK
     sc = scenario(11, [(150, 1), (97, 1), (140, 40), (20, 20)], NUM_BLOCKS)
     g = sc["g"]
@@ -158,9 +164,9 @@ for kv_format, kv_dtype in (("bf16", "auto"), ("fp8_ds_mla", "fp8_ds_mla")):
         ref = torch.softmax(q[t].double() @ k.T * SCALE, -1) @ k[:, :512]
         err = ((out[t].double() - ref).abs().max() / ref.abs().max()).item()
         errs.append(err)
-    results[kv_format] = dict(max_rel=max(errs), nan=bool(out.isnan().any()), shape=list(out.shape),
-                              indexerless=indexerless,
-                              worst_token=int(max(range(T), key=lambda i: errs[i])))
+    results[name] = dict(max_rel=max(errs), nan=bool(out.isnan().any()), shape=list(out.shape),
+                         indexerless=indexerless, worst_token=int(max(range(T), key=lambda i: errs[i])),
+                         segments=[(s.tok_start, s.tok_end, s.ws_blocks) for s in md.fp8_segments or []])
 print(json.dumps(results))
 """
 
@@ -170,11 +176,14 @@ def test_backend_mixed_batch_vs_dense_reference(staged):
     builder/impl/kernel: every token equals dense sparse attention over its own top-k positions; a layer
     without an indexer (GLM-5.2) gives the same through the shared top-k buffer."""
     out = run_json(staged, ATTENTION)
-    for fmt in ("bf16", "fp8_ds_mla"):
+    for fmt in ("bf16", "fp8_ds_mla", "fp8_ds_mla+ws"):
         assert not out[fmt]["nan"], out
         assert out[fmt]["shape"] == [62, 3, 512] and out[fmt]["indexerless"], out
         # bf16 output rounding (2^-8 relative) plus bf16 probabilities inside the kernel
         assert out[fmt]["max_rel"] < 2e-2, out
+    assert out["bf16"]["segments"] == out["fp8_ds_mla"]["segments"] == [], out
+    # decodes from the fp8 cache, both prefills (3 + 1 blocks of context) from one workspace segment
+    assert out["fp8_ds_mla+ws"]["segments"] == [[0, 2, 0], [2, 62, 4]], out
 
 
 INDEXER = """

@@ -198,8 +198,9 @@ def impl(kv_dtype, **kw):
         q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, qk_head_dim=256,
         v_head_dim=256, kv_b_proj=None, **kw)
 
-def run(seed, reqs, kv_format, layer):
+def run(seed, reqs, kv_format, layer, ws_min_query=64):
     kv_dtype = "auto" if kv_format == "bf16" else "fp8_ds_mla"
+    tms.ops.FP8_WS_MIN_QUERY = ws_min_query   # lowered: this batch's prefills read a bf16 copy of their context
     sc = scenario(seed, reqs, NUM_BLOCKS)
     g = sc["g"]
     T = len(sc["pos"])
@@ -249,7 +250,7 @@ def run(seed, reqs, kv_format, layer):
                 num_decodes=md.num_decodes, num_decode_tokens=n, num_prefills=md.num_prefills,
                 prefill_max_seq_len=md.prefill_max_seq_len, mha=mha, decode_slice_same=same_dec,
                 req_ids=md.req_id_per_token.tolist(), buffer_is_shared=im.topk_indices_buffer is buf,
-                prefill=prefill)
+                prefill=prefill, segments=[(s.tok_start, s.tok_end, s.ws_blocks) for s in md.fp8_segments or []])
 
 results = {}
 for kv_format in ("bf16", "fp8_ds_mla"):
@@ -258,6 +259,8 @@ for kv_format in ("bf16", "fp8_ds_mla"):
         results[f"long/{kv_format}/{layer}"] = run(11, [(150, 1), (97, 1), (140, 40), (20, 20)], kv_format, layer)
         # two decodes and one fresh prefill no longer than TOPK (the dense-MHA case on a GPU)
         results[f"short/{kv_format}/{layer}"] = run(12, [(150, 1), (97, 1), (30, 30)], kv_format, layer)
+results["long/fp8_ds_mla+ws/indexer"] = run(11, [(150, 1), (97, 1), (140, 40), (20, 20)], "fp8_ds_mla", "indexer", 16)
+results["short/fp8_ds_mla+ws/indexer"] = run(12, [(150, 1), (97, 1), (30, 30)], "fp8_ds_mla", "indexer", 16)
 try:
     impl("auto", indexer=None, topk_indices_buffer=None)
     results["no_buffer"] = None
@@ -275,6 +278,9 @@ def test_backend_on_026_bases_vs_dense_reference(staged):
     assert "topk_indices_buffer" in out.pop("no_buffer"), out
     for key, r in out.items():
         assert not r["nan"] and r["max_rel"] < 2e-2, (key, r)
+        # +ws: decodes from the fp8 cache, the prefills from one workspace segment (3 + 1 blocks, or 1)
+        assert r.pop("segments") == {"long/fp8_ds_mla+ws/indexer": [[0, 2, 0], [2, 62, 4]],
+                                     "short/fp8_ds_mla+ws/indexer": [[0, 2, 0], [2, 32, 1]]}.get(key, []), (key, r)
         assert r["decode_slice_same"] and r["buffer_is_shared"], (key, r)
         assert r["num_decodes"] == 2 and r["num_decode_tokens"] == 2, (key, r)
         if key.startswith("long/"):

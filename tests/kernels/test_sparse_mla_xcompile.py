@@ -75,6 +75,15 @@ def _worker(cc: int) -> None:
                               shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
                               spill_stores=c.spill_stores, spill_loads=c.spill_loads, traps=c.traps)),
               flush=True)
+    from overlay.kernels import fp8_workspace as W  # the fp8_ds_mla prefill's up-conversion into bf16
+
+    ptrs = {"kv_ptr": "*u8", "src_bt_ptr": "*i32", "dst_bt_ptr": "*i32", "ws_ptr": "*bf16"}
+    c = cross_compile(W._upconvert_blocks_kernel, signature(W._upconvert_blocks_kernel, ptrs),
+                      {"FP8_NATIVE": capability >= (8, 9), "ROWS": W.ROWS}, cc, num_warps=4, num_stages=1,
+                      divisible_by_16=("kv_ptr", "ws_ptr", "stride_kb", "stride_kt", "stride_wb", "stride_wt"))
+    print(json.dumps(dict(kernel="upconvert", cc=cc, fmt="fp8_ds_mla", tile=[W.ROWS], split=False, shared=c.shared,
+                          limit=SHARED_LIMIT[cc], regs=c.registers, spill_stores=c.spill_stores,
+                          spill_loads=c.spill_loads, traps=c.traps)), flush=True)
 
 
 # The Triton a worker runs under: this interpreter's, and 3.5.1 from a cached venv (_triton35.py).
@@ -109,7 +118,7 @@ def test_every_heuristic_config_fits_and_does_not_spill(tri, cc):
                           cwd=ROOT, timeout=900)
     assert proc.returncode == 0, f"cross-compile for sm_{cc} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {r["kernel"] for r in rows} == {"fwd", "combine", "slots"}
+    assert {r["kernel"] for r in rows} == {"fwd", "combine", "slots", "upconvert"}
     assert {r.get("paged") for r in rows if r["kernel"] == "fwd"} == {False, True}
     bad = [r for r in rows if r["shared"] > r["limit"] or r["spill_stores"] or r["spill_loads"] or r["traps"]]
     table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']} paged={r.get('paged')}: shared "
