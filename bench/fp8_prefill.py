@@ -9,7 +9,7 @@ Rows, each timed as the kernel benches time (bench/timing.py: graph, eager, laun
 - fp8 direct: `triton_mla_sparse_ops.sparse_mla_forward` on the fp8_ds_mla cache (the fp8 tile);
 - fp8 workspace: the same call with the step's plan (`plan_fp8_prefill`): up-convert the requests' blocks, then
   the bf16 tile over the copy (what TRITON_MLA_SPARSE runs for such a step);
-- up-convert alone (kernels/fp8_workspace.py);
+- up-convert alone (overlay/kernels/fp8_workspace.py);
 - bf16 direct: the bf16 tile on a bf16 cache of the same values;
 - FlashMLA bf16 sparse prefill (`flash_mla_sparse_fwd`, heads padded as vLLM does) on the same slots: the kernel
   FLASHMLA_SPARSE runs for an fp8_ds_mla prefill after its own up-conversion (64+ heads), and FlashMLA's fp8
