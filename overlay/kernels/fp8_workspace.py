@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import DirectLauncher as _Launcher
 from .sparse_mla import FP8_DS_MLA_BYTES, HEAD_DIM, _load_nope_tile, _load_rope_tile
 
 ROWS = 16  # cache slots per program (a 64-slot block is four programs)
@@ -51,6 +52,9 @@ def _upconvert_blocks_kernel(kv_ptr, src_bt_ptr, dst_bt_ptr, ws_ptr, req_start, 
             tl.store(out + c * 128 + d[None, :], x, mask=in_block[:, None])
         rope = _load_rope_tile(kv_ptr, row, valid, True, tl.bfloat16)
         tl.store(out + 512 + tl.arange(0, 64)[None, :], rope, mask=in_block[:, None])
+
+
+_upconvert_launch = _Launcher(_upconvert_blocks_kernel)  # past Triton's JIT entry once a call's binary is known
 
 
 def upconvert_blocks(kv_cache: torch.Tensor, src_block_table: torch.Tensor, req_start: int,
@@ -84,8 +88,8 @@ def upconvert_blocks(kv_cache: torch.Tensor, src_block_table: torch.Tensor, req_
     if fp8_native is None:
         fp8_native = kv.device.type != "cuda" or torch.cuda.get_device_capability(kv.device) >= (8, 9)
     grid = (n, max_nb, triton.cdiv(bs, ROWS))
-    _upconvert_blocks_kernel[grid](
-        kv, src_block_table, dst_block_table, workspace, req_start, src_block_table.shape[1], kv.shape[0], bs,
+    _upconvert_launch(
+        grid, kv, src_block_table, dst_block_table, workspace, req_start, src_block_table.shape[1], kv.shape[0], bs,
         kv.stride(0), kv.stride(1), src_block_table.stride(0), dst_block_table.stride(0),
         workspace.stride(0), workspace.stride(1), FP8_NATIVE=bool(fp8_native), ROWS=ROWS, num_warps=4)
 
