@@ -93,11 +93,12 @@ def count_py_calls(fn, calls: int = 20) -> float:
 
 def set_direct(enabled: bool) -> None:
     """Switch every DirectLauncher of the kernel modules on or off (the env kill switch, per process)."""
+    from overlay.kernels import fp8_workspace as W
     from overlay.kernels import indexer as IX
     from overlay.kernels import sparse_mla as SM
     from overlay.kernels.launch import reset_plans
 
-    for mod in (SM, IX):
+    for mod in (SM, IX, W):
         for launcher in mod.LAUNCHERS:
             launcher.enabled = enabled and launcher.reason is None
     reset_plans()  # the kill switch also turns the launch plans off (they keep direct-launch entries)
@@ -168,6 +169,17 @@ def make_cases(device: str, small: bool):
                       lambda qp=q_pair, local=local, req_id=req_id, bt=block_table:
                       ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16",
                                              attention=SM.sparse_mla_attention)))
+    # an fp8_ds_mla prefill step through the bf16 workspace (ops.plan_fp8_prefill): up-conversion + the bf16 tile
+    P = 64 if small else 1024
+    qw = torch.randn((2 * P, 64, 576), generator=g).to(torch.bfloat16).to(device)
+    bt_ws = torch.randperm(slots // bs, generator=g)[: 2 * (P // bs)].view(2, P // bs).to(torch.int32).to(device)
+    local_ws = torch.randint(-1, P, (2 * P, topk), generator=g, dtype=torch.int32).to(device)
+    rid_ws = torch.repeat_interleave(torch.arange(2, dtype=torch.int32), P).to(device)
+    plan = ops.plan_fp8_prefill(torch.tensor([0, P, 2 * P]), torch.tensor([P, P]), bs, 4 * P // bs, device)
+    qw_pair = (qw[..., :512].clone(), qw[..., 512:].clone())
+    cases.append(("backend forward fp8_ds_mla, prefill via workspace", f"2 x {P} tokens H=64",
+                  lambda: ops.sparse_mla_forward(qw_pair, kv_fp8, local_ws, rid_ws, bt_ws, bs, 0.04, "fp8_ds_mla",
+                                                 segments=plan)))
     # indexer: paged decode logits (B requests, context 4096), prefill logits (M x N)
     cache = torch.randint(0, 120, (slots // bs, bs, 1, 132), generator=g, dtype=torch.uint8).to(device)
     for B in ((1, 32) if small else (1, 128)):
@@ -214,11 +226,12 @@ def census(cases, cuda: bool, calls: int):
 
 def launcher_status() -> str:
     """Which kernels the direct launch covers here, or why not (overlay/kernels/launch.py)."""
+    from overlay.kernels import fp8_workspace as W
     from overlay.kernels import indexer as IX
     from overlay.kernels import sparse_mla as SM
 
     parts = [f"{x.fn.__name__}: {'direct launch available' if x.reason is None else 'JIT only (' + x.reason + ')'}"
-             for mod in (SM, IX) for x in mod.LAUNCHERS]
+             for mod in (SM, IX, W) for x in mod.LAUNCHERS]
     return "; ".join(parts)
 
 

@@ -55,6 +55,7 @@ def _upconvert_blocks_kernel(kv_ptr, src_bt_ptr, dst_bt_ptr, ws_ptr, req_start, 
 
 
 _upconvert_launch = _Launcher(_upconvert_blocks_kernel)  # past Triton's JIT entry once a call's binary is known
+LAUNCHERS = [_upconvert_launch]
 
 
 def upconvert_blocks(kv_cache: torch.Tensor, src_block_table: torch.Tensor, req_start: int,

@@ -17,6 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # pragma: no cover
     raise RuntimeError("tests/kernels/launch_checks.py needs compiled-mode Triton: run it without TRITON_INTERPRET")
 
 from tools.fake_triton_driver import fake_triton  # noqa: E402
+from overlay.kernels import fp8_workspace as W  # noqa: E402
 from overlay.kernels import indexer as IX  # noqa: E402
 from overlay.kernels import sparse_mla as SM  # noqa: E402
 from overlay.kernels.launch import DirectLauncher, reset_plans  # noqa: E402
@@ -147,9 +148,10 @@ def test_launch_hooks_see_direct_launches():
         assert launcher.direct_calls == 1 and len(seen) == 1
 
 
-@pytest.mark.parametrize("module,kernels", [(SM, 4 if SM._GLUON else 3), (IX, 2)], ids=["sparse_mla", "indexer"])
+@pytest.mark.parametrize("module,kernels", [(SM, 4 if SM._GLUON else 3), (IX, 2), (W, 1)],
+                         ids=["sparse_mla", "indexer", "fp8_workspace"])
 def test_the_kernel_modules_launch_directly(module, kernels):
-    """Imported as a package (as vLLM imports them), both kernel modules route every launch through a
+    """Imported as a package (as vLLM imports them), the kernel modules route every launch through a
     DirectLauncher that can launch directly (no annotated or interleaved parameters)."""
     assert len(module.LAUNCHERS) == kernels
     for launcher in module.LAUNCHERS:
