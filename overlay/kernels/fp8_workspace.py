@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .launch import DirectLauncher as _Launcher
-from .sparse_mla import FP8_DS_MLA_BYTES, HEAD_DIM, _load_nope_tile, _load_rope_tile
+from .sparse_mla import FP8_DS_MLA_BYTES, HEAD_DIM, _cuda_info, _load_nope_tile, _load_rope_tile
 
 ROWS = 16  # cache slots per program (a 64-slot block is four programs)
 
@@ -87,7 +87,9 @@ def upconvert_blocks(kv_cache: torch.Tensor, src_block_table: torch.Tensor, req_
                          f"({src_block_table.shape[0]} rows)")
     kv = kv_cache.view(torch.uint8)
     if fp8_native is None:
-        fp8_native = kv.device.type != "cuda" or torch.cuda.get_device_capability(kv.device) >= (8, 9)
+        # the attention kernel's cached (capability, SMs) lookup: torch.cuda.get_device_capability costs host time
+        fp8_native = kv.device.type != "cuda" or _cuda_info(
+            kv.device.index if kv.device.index is not None else torch.cuda.current_device())[0] >= (8, 9)
     grid = (n, max_nb, triton.cdiv(bs, ROWS))
     _upconvert_launch(
         grid, kv, src_block_table, dst_block_table, workspace, req_start, src_block_table.shape[1], kv.shape[0], bs,
