@@ -32,6 +32,7 @@ GROUPS = [
     "test_gpu_indexer_tolerance_catches_a_dropped_head",
     "test_direct_launch_is_bit_identical_to_the_jit_entry",
     "test_backend_forward_with_request_local_indices",
+    "test_fp8_prefill_workspace_on_gpu",
 ]
 
 
