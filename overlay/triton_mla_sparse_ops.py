@@ -258,22 +258,24 @@ def _forward_segments(q, kv, local_indices, req_id, block_table, block_size, sof
 
     out = torch.empty((T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=qn.device)
     lse = torch.empty((T, H), dtype=torch.float32, device=qn.device)
+
+    def from_fp8(a, b):  # tokens a..b straight from the fp8 cache
+        attention(rows(a, b), kv, local_indices[a:b], softmax_scale, kv_format="fp8_ds_mla", out=out[a:b],
+                  lse=lse[a:b], block_table=block_table, req_id=req_id[a:])
+
     done = 0
     for seg in segments:
         if seg.tok_start >= T:
             break
         a, b = seg.tok_start, min(seg.tok_end, T)
-        qs = rows(a, b)
         if seg.ws_blocks and b == seg.tok_end:
             ws = fp8_workspace(seg.ws_blocks, block_size, qn.device)[: seg.ws_blocks]
             upconvert_blocks(kv, block_table, seg.req_start, seg.block_table, ws)
-            attention(qs, ws, local_indices[a:b], softmax_scale, kv_format="bf16", out=out[a:b], lse=lse[a:b],
-                      block_table=seg.block_table, req_id=seg.req_id)
+            attention(rows(a, b), ws, local_indices[a:b], softmax_scale, kv_format="bf16", out=out[a:b],
+                      lse=lse[a:b], block_table=seg.block_table, req_id=seg.req_id)
         else:
-            attention(qs, kv, local_indices[a:b], softmax_scale, kv_format="fp8_ds_mla", out=out[a:b],
-                      lse=lse[a:b], block_table=block_table, req_id=req_id[a:])
+            from_fp8(a, b)
         done = b
     if done < T:  # tokens past the plan (CUDA-graph padding) read the cache as before
-        attention(rows(done, T), kv, local_indices[done:T], softmax_scale, kv_format="fp8_ds_mla", out=out[done:],
-                  lse=lse[done:], block_table=block_table, req_id=req_id[done:])
+        from_fp8(done, T)
     return out, lse

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from .launch import DirectLauncher as _Launcher
-from .sparse_mla import FP8_DS_MLA_BYTES, HEAD_DIM, _cuda_info, _load_nope_tile, _load_rope_tile
+from . import sparse_mla as _SM
+from .sparse_mla import FP8_DS_MLA_BYTES, HEAD_DIM, _load_nope_tile, _load_rope_tile
 
 ROWS = 16  # cache slots per program (a 64-slot block is four programs)
 
@@ -86,10 +87,8 @@ def upconvert_blocks(kv_cache: torch.Tensor, src_block_table: torch.Tensor, req_
         raise ValueError(f"upconvert_blocks: requests {req_start}..{req_start + n} are not all in the block table "
                          f"({src_block_table.shape[0]} rows)")
     kv = kv_cache.view(torch.uint8)
-    if fp8_native is None:
-        # the attention kernel's cached (capability, SMs) lookup: torch.cuda.get_device_capability costs host time
-        fp8_native = kv.device.type != "cuda" or _cuda_info(
-            kv.device.index if kv.device.index is not None else torch.cuda.current_device())[0] >= (8, 9)
+    if fp8_native is None:  # as the attention kernel decides it, from its cached (capability, SMs) lookup
+        fp8_native = _SM._device_info(kv.device)[0] >= (8, 9)
     grid = (n, max_nb, triton.cdiv(bs, ROWS))
     _upconvert_launch(
         grid, kv, src_block_table, dst_block_table, workspace, req_start, src_block_table.shape[1], kv.shape[0], bs,
