@@ -67,6 +67,8 @@ from .launch import PlanTable
 from .launch import env_switch as _env_switch
 from .sparse_mla_sm90 import GLUON as _GLUON
 from .sparse_mla_sm90 import _sparse_mla_fwd_sm90_kernel
+from .sparse_mla_sm90 import SHARED_LIMIT as _SM90_SHARED
+from .sparse_mla_sm90 import shared_bytes as _gluon_shared_bytes
 
 __all__ = [
     "SparseMLAConfig",
@@ -569,15 +571,18 @@ for _table in (_LATENCY_TUNING, _THROUGHPUT_TUNING):
     _table.update({("sm100", *key[1:]): entry for key, entry in list(_table.items()) if key[0] == "sm80"})
 _THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2)
 
-# sm_90, bf16, 64-head bucket: the Gluon kernel (sparse_mla_sm90.py; num_stages = its gather buffers) wherever
-# the batch has at least GLUON_MIN_ROWS (token, 64-head group) rows. On the H200 (2026-12-03, bench/RESULTS.md)
-# it took 30-34% off the Triton tile's time at T=128 (H=64 and 128) and at T=4096, 17% at T=32 (4 splits);
-# at T=8 (16 splits) it was 6% slower, so decode-sized batches keep the Triton tile.
+# sm_90, 64-head bucket: the Gluon kernel (sparse_mla_sm90.py; num_stages = its gather buffers) wherever
+# the batch has at least GLUON_MIN_ROWS (token, 64-head group) rows. On the H200 (bench/RESULTS.md) bf16 took
+# 30-34% off the Triton tile's time at T=128 (H=64 and 128) and at T=4096, 17% at T=32 (4 splits), and was 6%
+# slower at T=8 (16 splits; 2026-12-03; 10% faster there after 2026-12-04's reordering, not yet promoted);
+# fp8_ds_mla (2026-12-04) 20-29% at T=32 and T=128, 2% at T=8.
 # Used where GLUON_DEFAULT holds: a Triton with Gluon for Hopper, compiled kernels (not the interpreter), and
 # DSA_OVERLAY_GLUON unset or 1 (0: the Triton tiles everywhere, e.g. for a Triton whose Gluon differs).
 _GLUON_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
     ("sm90", "bf16", 64): SparseMLATuning(SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
                                                           gluon=True)),
+    ("sm90", "fp8_ds_mla", 64): SparseMLATuning(SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                                                                gluon=True)),
 }
 GLUON_MIN_ROWS = 16
 GLUON_ENV = "DSA_OVERLAY_GLUON"
@@ -614,9 +619,11 @@ FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
              SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon=True),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, gluon=True),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, gluon=True)),
-    # the Gluon tile on an fp8_ds_mla cache: correct on the H200 but 8-12% slower than h64n64w8p3 there (its
-    # dequantisation runs between two barriers, with nothing to overlap it): a candidate, not in _GLUON_TUNING
+    # the Gluon tile on an fp8_ds_mla cache (block i + 1 dequantised while block i's P.V runs; num_stages = raw
+    # gather buffers: 2 fit at block_n 64, up to 5 at 32)
     "fp8_ds_mla": (SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon=True),
+                   SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, gluon=True),
+                   SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, gluon=True),
                    SparseMLAConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_post_scale=True),
                    SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
                    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
@@ -779,8 +786,9 @@ def _check_gluon(config: SparseMLAConfig, kv_format: str, capability: tuple[int,
         why = "it is the 64-head, 8-warp tile without d2 or f"
     elif config.block_n not in (32, 64) or config.num_stages < 2:
         why = "block_n must be 32 or 64 and num_stages (gather buffers) >= 2"
-    elif kv_format == "fp8_ds_mla" and config.num_stages != 2:
-        why = "with an fp8_ds_mla cache it has exactly 2 gather buffers (num_stages 2)"
+    elif (need := _gluon_shared_bytes(kv_format == "fp8_ds_mla", config.block_n, config.num_stages)) > _SM90_SHARED:
+        why = (f"{config.num_stages} gather buffers of {config.block_n} rows need {need} B of shared memory, "
+               f"more than sm_90's {_SM90_SHARED}")
     if why:
         raise ValueError(f"sparse_mla_attention: config {config} (gluon) cannot run: {why}; "
                          "leave config unset for the default")

@@ -3,10 +3,10 @@
 
 Same computation, arguments and outputs as ``sparse_mla._sparse_mla_fwd_kernel`` (bf16 or fp8_ds_mla cache, slot
 ids, with or without top-k splits); :func:`sparse_mla.sparse_mla_attention` launches it for a config with
-``gluon=True``. fp8_ds_mla: the raw e4m3 bytes are gathered (two buffers) and dequantised once per block into one
-bf16 operand that both dots read (the Triton tile keeps them in registers and stores them to shared memory per dot).
-On the H200 that path is correct but 8-12% slower than the Triton tile (the dequantisation sits between two CTA
-barriers with nothing to overlap it), so only bf16 is a default; fp8_ds_mla is a benchmark candidate.
+``gluon=True``. fp8_ds_mla: the raw e4m3 bytes are gathered NUM_BUF blocks ahead and block i + 1 is dequantised
+into the one bf16 operand while block i's P.V wgmmas run (each warpgroup rewrites only the columns its own P.V
+reads, chunk by chunk as its wgmmas finish); on the H200 that took the fp8 tile from 1.1x the Triton tile's time
+(dequantising between two barriers) to 0.71-0.80x of it (bench/RESULTS.md, 2026-12-04).
 
 Why it exists: in the plain Triton kernel a 64-head tile needs 8 warps (the [64, 512] fp32 accumulator is 128
 registers per thread over two warpgroups), and Triton gives a dot whose result feeds another dot all its warps
@@ -22,7 +22,7 @@ Gluon only compiles for NVIDIA GPUs (no interpreter): correctness is checked on 
 against float64 references, bench/bench_sparse_mla.py's reference check) and the kernel is cross-compiled for sm_90
 under every Triton the tests meet (tests/kernels/test_sparse_mla_sm90.py: 3.5.1, 3.6, and the newest vLLM venv's).
 ``GLUON`` is False where this Triton has no Gluon for Hopper. Where it runs: sparse_mla.py's _GLUON_TUNING (sm_90,
-bf16 cache, 64-head bucket, batches of at least GLUON_MIN_ROWS rows; DSA_OVERLAY_GLUON=0 turns it off).
+bf16 and fp8_ds_mla caches, 64-head bucket, batches of at least GLUON_MIN_ROWS rows; DSA_OVERLAY_GLUON=0 turns it off).
 """
 
 from __future__ import annotations
@@ -40,6 +40,20 @@ except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
 GLUON = gluon is not None
+
+
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+SCRATCH_BYTES = 512  # the compiler's own scratch for the cross-warpgroup row reductions (measured: sm_90 builds)
+
+
+def shared_bytes(is_fp8: bool, block_n: int, num_buf: int) -> int:
+    """Shared memory of one program: Q [64, 576] and P [64, block_n] in bf16, num_buf buffers of the gathered
+    rows (bf16: [block_n, 576]; fp8_ds_mla: the 512 e4m3 bytes and the 64 bf16 rope values) and, for
+    fp8_ds_mla, the one bf16 operand [block_n, 512] blocks are dequantised into; plus the compiler's scratch."""
+    q, p = 64 * 576 * 2, 64 * block_n * 2
+    rows = num_buf * block_n * ((512 + 128) if is_fp8 else 576 * 2)
+    operand = block_n * 512 * 2 if is_fp8 else 0
+    return q + p + rows + operand + SCRATCH_BYTES
 
 
 if GLUON:
@@ -83,32 +97,70 @@ if GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _gather_block_fp8(kv_ptr, idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt,
-                          raw_s, kr_s, buf, BLOCK_N: gl.constexpr, LD: gl.constexpr, LDB: gl.constexpr):
-        """fp8_ds_mla cache: start the cp.async gathers of rows idx[n0 : n0 + BLOCK_N] (one commit group): the 512
-        e4m3 bytes into raw_s[buf] (dequantised after they land), the 64 bf16 rope values into kr_s[buf] (a wgmma
-        operand as they are). Invalid slots read nothing, as in _gather_block."""
-        row, valid = _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N, LDB)
-        b = gl.arange(0, 512, layout=gl.SliceLayout(0, LDB))
-        _cp_async(raw_s.index(buf), kv_ptr + row[:, None] + b[None, :], mask=valid[:, None])
-        row, valid = _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N, LD)
-        r = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
+    def _gather_block_fp8(kv_ptr, slot, valid, slot_r, valid_r, block_size, stride_kvb, stride_kvt,
+                          rawA_s, rawB_s, rawC_s, rawD_s, kr_s, buf, DQ: gl.constexpr, LR: gl.constexpr):
+        """fp8_ds_mla cache: start the cp.async gathers of one block's rows (one commit group): the 512 e4m3 bytes
+        as four [BLOCK_N, 128] chunks into rawA_s[buf] .. rawD_s[buf] in the layout DQ that dequantises them (each thread
+        later reads the bytes it copied), the 64 bf16 rope values into kr_s[buf] (a wgmma operand as they are).
+        ``slot`` / ``valid``: the block's slots in SliceLayout(1, DQ) and (``_r``) SliceLayout(1, LR); an invalid
+        slot reads nothing (zero-filled), as in _gather_block."""
+        s = gl.where(valid, slot, 0)
+        blk = s // block_size
+        row = blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
+        b = gl.arange(0, 128, layout=gl.SliceLayout(0, DQ))
+        base = kv_ptr + row[:, None] + b[None, :]
+        m = valid[:, None]
+        _cp_async(rawA_s.index(buf), base, mask=m)
+        _cp_async(rawB_s.index(buf), base + 128, mask=m)
+        _cp_async(rawC_s.index(buf), base + 256, mask=m)
+        _cp_async(rawD_s.index(buf), base + 384, mask=m)
+        s = gl.where(valid_r, slot_r, 0)
+        blk = s // block_size
+        row = blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
+        r = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
         rope = (kv_ptr + row + 528).to(gl.pointer_type(gl.bfloat16))
-        _cp_async(kr_s.index(buf), rope[:, None] + r[None, :], mask=valid[:, None])
+        _cp_async(kr_s.index(buf), rope[:, None] + r[None, :], mask=valid_r[:, None])
         async_copy.commit_group()
 
     @gluon.jit
-    def _dequant_block(kv_ptr, idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, raw, kN_s,
-                       BLOCK_N: gl.constexpr, LD8: gl.constexpr):
-        """fp8_ds_mla: the landed e4m3 bytes of block n0 (raw, [BLOCK_N, 512]) times their row's tile scale (read
-        from global memory: 16 bytes per row) into the four bf16 [BLOCK_N, 128] wgmma operands kN_s[0..3].
-        Invalid rows were zero-filled and get scale 0."""
-        row, valid = _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N, LD8)
+    def _scales(kv_ptr, slot, valid, block_size, stride_kvb, stride_kvt):
+        """The four fp32 tile scales of each row of a block (16 bytes after its e4m3 bytes); 0 for invalid rows."""
+        s = gl.where(valid, slot, 0)
+        blk = s // block_size
+        row = blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
         sc = (kv_ptr + row + 512).to(gl.pointer_type(gl.float32))
-        for c in gl.static_range(4):
-            x = raw.slice(c * 128, 128, dim=1).load(LD8).to(gl.float8e4nv, bitcast=True).to(gl.float32)
-            scale = gl.load(sc + c, mask=valid, other=0.0)
-            kN_s.index(c).store((x * scale[:, None]).to(gl.bfloat16))
+        return (gl.load(sc, mask=valid, other=0.0), gl.load(sc + 1, mask=valid, other=0.0),
+                gl.load(sc + 2, mask=valid, other=0.0), gl.load(sc + 3, mask=valid, other=0.0))
+
+    @gluon.jit
+    def _dequant_chunk(raw, kN, scale, DQ: gl.constexpr):
+        """One 128-column chunk of a block: its e4m3 bytes (raw, [BLOCK_N, 128]) times their row scales into the
+        bf16 wgmma operand kN. In the layout DQ warpgroup w reads and writes columns [64 w, 64 w + 64) only: the
+        columns of kN that its own P.V wgmma reads, so it may overwrite them as soon as its own wgmma is done."""
+        x = raw.load(DQ).to(gl.float8e4nv, bitcast=True).to(gl.float32)
+        kN.store((x * scale[:, None]).to(gl.bfloat16))
+
+    @gluon.jit
+    def _softmax_step(s, valid, m_i, l_i, sm_scale_log2):
+        """One block of the online softmax (base 2): (P, the rescale factor of what came before, new max, new sum).
+        Invalid keys score -inf; a row with no valid key so far keeps max -inf and sum 0 (no -inf - -inf)."""
+        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.constexpr_function
+    def _warpgroup_columns_layout(rows, cols, vec):
+        """[rows, cols] over 8 warps, ``vec`` consecutive elements per thread (16 bytes), 4 lanes across a
+        warp's cols / 2 columns and 8 down the rows: warps 0-3 (warpgroup 0) hold columns [0, cols / 2), warps
+        4-7 the rest (a BlockedLayout orders warps and lanes alike, so it cannot put contiguous vectors along
+        the columns and a warpgroup's warps down the rows)."""
+        reg = [[0, 1 << k] for k in range(vec.bit_length() - 1)] + [[r, 0] for r in (32, 64, 128) if r < rows]
+        lane = [[0, vec], [0, 2 * vec], [1, 0], [2, 0], [4, 0]]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[[8, 0], [16, 0], [0, cols // 2]],
+                                          block_bases=[], shape=[rows, cols])
 
     @gluon.jit
     def _sparse_mla_fwd_sm90_kernel(
@@ -127,7 +179,7 @@ if GLUON:
         # P_SWIZZLE: the swizzle of P's [64, BLOCK_N] bf16 rows, min(128, 2 * BLOCK_N) bytes (the launcher's).
         # The Triton kernel's argument list, so one launch plan serves both; the variants it has and this one
         # has not are refused at compile time (the config check refuses them first).
-        gl.static_assert(not IS_FP8 or (NUM_BUF == 2 and FP8_NATIVE), "fp8_ds_mla: 2 buffers, native e4m3")
+        gl.static_assert(not IS_FP8 or FP8_NATIVE, "fp8_ds_mla: native e4m3 conversion (sm_90)")
         gl.static_assert(not PAGED, "the sm_90 Gluon kernel reads slot ids")
         gl.static_assert(DV_SPLIT == 1, "the sm_90 Gluon kernel has no dv_split")
         gl.static_assert(BLOCK_H == 64, "the sm_90 Gluon kernel is a 64-head tile")
@@ -137,8 +189,6 @@ if GLUON:
         # S_L scores (warpgroup w: key columns [w * BLOCK_N/2, ...)); O_L each 128-column output tile
         # (warpgroup w: columns [64 w, 64 w + 64) of it). Shared layouts: 128-byte swizzled wgmma operands.
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-        LD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])  # fp8 bytes: [BLOCK_N, 128] tiles
-        LDB: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [8, 1], [1, 0])  # fp8 bytes: [BLOCK_N, 512] rows
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
@@ -169,13 +219,23 @@ if GLUON:
         qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SH,
                                          gl.load(qr_row[:, None] + r[None, :], mask=hmask[:, None], other=0.0))
 
-        # KV operands. bf16: NUM_BUF buffers of the gathered rows, each a wgmma operand as it lands. fp8_ds_mla: two
-        # buffers of raw e4m3 bytes (and of the bf16 rope values), dequantised into one bf16 operand per block.
+        # KV operands. bf16: NUM_BUF buffers of the gathered rows, each a wgmma operand as it lands. fp8_ds_mla:
+        # NUM_BUF buffers of raw e4m3 bytes (four [BLOCK_N, 128] chunks each) and of the bf16 rope values, and one
+        # bf16 operand that block i + 1 is dequantised into while block i's P.V runs (see the fp8 loop below).
         kr_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 64], SH)
         if IS_FP8:
-            raw_s = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, 512],
-                                              gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-            kN_s = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_N, 128], SH)
+            # one allocation per 128-column chunk: the compiler's shared-memory hazard analysis (which puts a CTA
+            # barrier between accesses to one allocation that may conflict) then sees that chunk c's copies, stores
+            # and wgmmas do not touch chunk c + 1
+            SH8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+            rawA_s = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 128], SH8)
+            rawB_s = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 128], SH8)
+            rawC_s = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 128], SH8)
+            rawD_s = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 128], SH8)
+            kNA_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], SH)
+            kNB_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], SH)
+            kNC_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], SH)
+            kND_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 128], SH)
         else:
             kA_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
             kB_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, 128], SH)
@@ -198,15 +258,6 @@ if GLUON:
                 slot = gl.load(idx_row + offs, mask=inside, other=-1)
                 last = gl.maximum(last, gl.max(gl.where(inside & (slot >= 0) & (slot < num_slots), offs, -1), 0))
             n_iter = gl.cdiv(last + 1 - start, BLOCK_N)
-        for j in gl.static_range(NUM_BUF - 1):  # prologue: the first NUM_BUF - 1 blocks in flight
-            if IS_FP8:
-                _gather_block_fp8(kv_ptr, idx_row, start + j * BLOCK_N, end, num_slots, block_size, stride_kvb,
-                                  stride_kvt, raw_s, kr_s, j, BLOCK_N, LD, LDB)
-            else:
-                _gather_block(kv_ptr, idx_row, start + j * BLOCK_N, end, num_slots, block_size, stride_kvb,
-                              stride_kvt, kA_s, kB_s, kC_s, kD_s, kr_s, j, BLOCK_N, LD)
-        fence_async_shared()  # Q's shared-memory stores before the first wgmma reads them
-
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         l_i = gl.full([BLOCK_H], 0.0, gl.float32, layout=gl.SliceLayout(1, S_L))
         accA = gl.full([BLOCK_H, 128], 0.0, gl.float32, layout=O_L)
@@ -214,57 +265,104 @@ if GLUON:
         accC = gl.full([BLOCK_H, 128], 0.0, gl.float32, layout=O_L)
         accD = gl.full([BLOCK_H, 128], 0.0, gl.float32, layout=O_L)
         s_zero = gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, layout=S_L)
-        for i in range(n_iter):
-            buf = i % NUM_BUF
-            n0 = start + i * BLOCK_N
-            # Block i has landed once at most NUM_BUF - 2 newer groups are pending; the barrier also means every
-            # warp is done with iteration i - 1 (its wgmmas read the buffer refilled below, P and fp8's operand).
-            async_copy.wait_group(NUM_BUF - 2)
-            fence_async_shared()
+        if IS_FP8:
+            # fp8_ds_mla. Block i's scores read the bf16 operand kN_s (block i dequantised) and rope buffer i; then,
+            # while block i's P.V wgmmas run, each warpgroup dequantises block i + 1 into the columns of kN_s that
+            # its own P.V reads, one 128-column chunk as soon as its wgmma on that chunk is done (the layout DQ
+            # gives warpgroup w columns [64 w, 64 w + 64) of each chunk, as the P.V output layout O_L does). The
+            # raw bytes are gathered NUM_BUF blocks ahead, each thread copying the bytes it later dequantises, so
+            # only the rope values (a wgmma operand) need the barrier. Index, mask and scale loads are issued
+            # while the score wgmmas run. Two CTA barriers per block; nothing waits on global memory in between.
+            DQ: gl.constexpr = _warpgroup_columns_layout(BLOCK_N, 128, 16)
+            LR: gl.constexpr = _warpgroup_columns_layout(BLOCK_N, 64, 8)
+            ROWS: gl.constexpr = gl.SliceLayout(1, DQ)
+            ROWS_R: gl.constexpr = gl.SliceLayout(1, LR)
+            for j in gl.static_range(NUM_BUF):  # prologue: the first NUM_BUF blocks in flight
+                g, gv = _slots(idx_row, start + j * BLOCK_N, end, num_slots, BLOCK_N, ROWS)
+                gr, grv = _slots(idx_row, start + j * BLOCK_N, end, num_slots, BLOCK_N, ROWS_R)
+                _gather_block_fp8(kv_ptr, g, gv, gr, grv, block_size, stride_kvb, stride_kvt, rawA_s, rawB_s, rawC_s, rawD_s, kr_s, j, DQ, LR)
+            g, gv = _slots(idx_row, start, end, num_slots, BLOCK_N, ROWS)
+            sc0, sc1, sc2, sc3 = _scales(kv_ptr, g, gv, block_size, stride_kvb, stride_kvt)
+            async_copy.wait_group(NUM_BUF - 1)  # block 0 (and its rope values) landed
+            _dequant_chunk(rawA_s.index(0), kNA_s, sc0, DQ)
+            _dequant_chunk(rawB_s.index(0), kNB_s, sc1, DQ)
+            _dequant_chunk(rawC_s.index(0), kNC_s, sc2, DQ)
+            _dequant_chunk(rawD_s.index(0), kND_s, sc3, DQ)
+            fence_async_shared()  # Q, block 0's operand and rope stores before the first wgmma reads them
             _barrier()
-            if IS_FP8:
-                _gather_block_fp8(kv_ptr, idx_row, n0 + BLOCK_N, end, num_slots, block_size, stride_kvb, stride_kvt,
-                                  raw_s, kr_s, (i + 1) % 2, BLOCK_N, LD, LDB)
-                _dequant_block(kv_ptr, idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt,
-                               raw_s.index(buf), kN_s, BLOCK_N, LD8)
-                fence_async_shared()  # the dequantised stores before the wgmmas read them
+            for i in range(n_iter):
+                buf = i % NUM_BUF
+                n0 = start + i * BLOCK_N
+                s = warpgroup_mma(qr_s, kr_s.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(qA_s, kNA_s.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qB_s, kNB_s.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qC_s, kNC_s.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qD_s, kND_s.permute((1, 0)), s, is_async=True)
+                _, valid = _slots(idx_row, n0, end, num_slots, BLOCK_N, gl.SliceLayout(0, S_L))
+                g, gv = _slots(idx_row, n0 + BLOCK_N, end, num_slots, BLOCK_N, ROWS)
+                sc0, sc1, sc2, sc3 = _scales(kv_ptr, g, gv, block_size, stride_kvb, stride_kvt)
+                g, gv = _slots(idx_row, n0 + NUM_BUF * BLOCK_N, end, num_slots, BLOCK_N, ROWS)
+                gr, grv = _slots(idx_row, n0 + NUM_BUF * BLOCK_N, end, num_slots, BLOCK_N, ROWS_R)
+                s = warpgroup_mma_wait(0, deps=[s])
+                p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, sm_scale_log2)
+                p_s.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                _barrier()  # P whole; both warpgroups' scores of block i done: raw and rope buffer ``buf`` are free
+                _gather_block_fp8(kv_ptr, g, gv, gr, grv, block_size, stride_kvb, stride_kvt, rawA_s, rawB_s, rawC_s, rawD_s, kr_s, buf, DQ, LR)
+                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                accA = warpgroup_mma(p_s, kNA_s, accA * alpha_o, is_async=True)
+                accB = warpgroup_mma(p_s, kNB_s, accB * alpha_o, is_async=True)
+                accC = warpgroup_mma(p_s, kNC_s, accC * alpha_o, is_async=True)
+                accD = warpgroup_mma(p_s, kND_s, accD * alpha_o, is_async=True)
+                async_copy.wait_group(NUM_BUF - 1)  # block i + 1 landed (this thread's bytes; the rope: barrier below)
+                nb = (i + 1) % NUM_BUF
+                accA = warpgroup_mma_wait(3, deps=[accA])
+                _dequant_chunk(rawA_s.index(nb), kNA_s, sc0, DQ)
+                accB = warpgroup_mma_wait(2, deps=[accB])
+                _dequant_chunk(rawB_s.index(nb), kNB_s, sc1, DQ)
+                accC = warpgroup_mma_wait(1, deps=[accC])
+                _dequant_chunk(rawC_s.index(nb), kNC_s, sc2, DQ)
+                accD = warpgroup_mma_wait(0, deps=[accD])
+                _dequant_chunk(rawD_s.index(nb), kND_s, sc3, DQ)
+                fence_async_shared()  # block i + 1's operand and rope values before the next scores read them
                 _barrier()
-                kA = kN_s.index(0)
-                kB = kN_s.index(1)
-                kC = kN_s.index(2)
-                kD = kN_s.index(3)
-            else:
-                _gather_block(kv_ptr, idx_row, n0 + (NUM_BUF - 1) * BLOCK_N, end, num_slots, block_size, stride_kvb,
-                              stride_kvt, kA_s, kB_s, kC_s, kD_s, kr_s, (i + NUM_BUF - 1) % NUM_BUF, BLOCK_N, LD)
+        else:
+            for j in gl.static_range(NUM_BUF - 1):  # prologue: the first NUM_BUF - 1 blocks in flight
+                _gather_block(kv_ptr, idx_row, start + j * BLOCK_N, end, num_slots, block_size, stride_kvb,
+                              stride_kvt, kA_s, kB_s, kC_s, kD_s, kr_s, j, BLOCK_N, LD)
+            fence_async_shared()  # Q's shared-memory stores before the first wgmma reads them
+            for i in range(n_iter):
+                buf = i % NUM_BUF
+                n0 = start + i * BLOCK_N
+                # Block i has landed once at most NUM_BUF - 2 newer groups are pending; the barrier also means every
+                # warp is done with iteration i - 1 (its wgmmas read the buffer refilled below, and P).
+                async_copy.wait_group(NUM_BUF - 2)
+                fence_async_shared()
+                _barrier()
                 kA = kA_s.index(buf)
                 kB = kB_s.index(buf)
                 kC = kC_s.index(buf)
                 kD = kD_s.index(buf)
-            s = warpgroup_mma(qr_s, kr_s.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(qA_s, kA.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(qB_s, kB.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(qC_s, kC.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(qD_s, kD.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s])
-
-            _, valid = _slots(idx_row, n0, end, num_slots, BLOCK_N, gl.SliceLayout(0, S_L))
-            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # all-invalid so far: avoid -inf - -inf
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-
-            p_s.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            _barrier()
-            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            accA = warpgroup_mma(p_s, kA, accA * alpha_o, is_async=True)
-            accB = warpgroup_mma(p_s, kB, accB * alpha_o, is_async=True)
-            accC = warpgroup_mma(p_s, kC, accC * alpha_o, is_async=True)
-            accD = warpgroup_mma(p_s, kD, accD * alpha_o, is_async=True)
-            accA, accB, accC, accD = warpgroup_mma_wait(0, deps=[accA, accB, accC, accD])
+                s = warpgroup_mma(qr_s, kr_s.index(buf).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(qA_s, kA.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qB_s, kB.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qC_s, kC.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qD_s, kD.permute((1, 0)), s, is_async=True)
+                # while the scores run: the gather NUM_BUF - 1 blocks ahead (its index load) and block i's mask
+                _gather_block(kv_ptr, idx_row, n0 + (NUM_BUF - 1) * BLOCK_N, end, num_slots, block_size, stride_kvb,
+                              stride_kvt, kA_s, kB_s, kC_s, kD_s, kr_s, (i + NUM_BUF - 1) % NUM_BUF, BLOCK_N, LD)
+                _, valid = _slots(idx_row, n0, end, num_slots, BLOCK_N, gl.SliceLayout(0, S_L))
+                s = warpgroup_mma_wait(0, deps=[s])
+                p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, sm_scale_log2)
+                p_s.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                _barrier()
+                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                accA = warpgroup_mma(p_s, kA, accA * alpha_o, is_async=True)
+                accB = warpgroup_mma(p_s, kB, accB * alpha_o, is_async=True)
+                accC = warpgroup_mma(p_s, kC, accC * alpha_o, is_async=True)
+                accD = warpgroup_mma(p_s, kD, accD * alpha_o, is_async=True)
+                accA, accB, accC, accD = warpgroup_mma_wait(0, deps=[accA, accB, accC, accD])
         async_copy.wait_group(0)  # the prefetches past the end (masked rows) before the program exits
 
         has = l_i > 0.0

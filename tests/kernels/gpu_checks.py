@@ -69,6 +69,8 @@ MLA = [
     # sm_90 bf16 with >= GLUON_MIN_ROWS (token, 64-head) rows: the Gluon tile (sparse_mla_sm90.py) by default
     (411, "bf16", 128, 2048, 20, 64, 40),     # 128 heads (two head groups), top-k 2048 in splits
     (412, "bf16", 100, 301, 17, 1, 400),      # a half-empty second head group, odd top-k, block_size 1
+    (413, "fp8_ds_mla", 128, 2048, 20, 64, 40),  # the same two on an fp8_ds_mla cache (its Gluon tile)
+    (414, "fp8_ds_mla", 100, 301, 17, 1, 400),
 ]
 
 
@@ -95,6 +97,26 @@ def test_sparse_mla_every_sm90_tile(i):
         case.what = f"seed={420 + i} {fmt} config={config}"
         out, lse = _run_mla(case.to("cuda"), config=config)
         C.check_mla(out, lse, case.ref(), _mla_tol(fmt), case.what)
+
+
+GLUON_FP8 = [t for t in dict.fromkeys(SM.candidate_tiles((9, 0), "fp8_ds_mla") + SM.FOCUS_TILES["fp8_ds_mla"])
+             if SM.SparseMLAConfig.from_tile(t).gluon]
+
+
+@pytest.mark.parametrize("tile", GLUON_FP8, ids=lambda t: str(SM.SparseMLAConfig.from_tile(t)))
+def test_sparse_mla_gluon_fp8_long_lists(tile):
+    """The fp8_ds_mla Gluon tiles over many blocks (their gather buffers wrap several times, block i + 1 is
+    dequantised while block i's P.V runs): top-k 2048 with invalid and repeated slots, unsplit and in 5 splits,
+    and a batch whose every index is invalid (no valid key: zeros, lse -inf)."""
+    case = C.mla_case(450, "fp8_ds_mla", 64, 2048, 5, 64, num_blocks=40)
+    for splits in (1, 5):
+        config = SM.SparseMLAConfig.from_tile(tile, splits)
+        case.what = f"seed=450 fp8_ds_mla config={config}"
+        out, lse = _run_mla(case.to("cuda"), config=config)
+        C.check_mla(out, lse, case.ref(), C.MLA_GPU_FP8, case.what)
+    empty = C.MlaCase(case.q, case.cache, torch.full_like(case.idx, -1), case.scale, "fp8_ds_mla", "all invalid")
+    out, lse = _run_mla(empty.to("cuda"), config=SM.SparseMLAConfig.from_tile(tile, 2))
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse)), (out.abs().max(), lse)
 
 
 @pytest.mark.parametrize("post", [False, True], ids=["scale-tile", "scale-after-dot"])

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from overlay.kernels import sparse_mla as M
+from overlay.kernels import sparse_mla_sm90 as G
 from tests import vllm_envs
 
 HERE = Path(__file__).resolve().parent
@@ -54,6 +55,8 @@ def test_gluon_kernel_cross_compiles_for_sm90_as_designed(tri):
         c = M.SparseMLAConfig.from_string(r["tile"])
         what = f"triton {r['triton']} {r['tile']} split={r['split']}: {r}"
         assert r["shared"] <= r["limit"] and not (r["spill_stores"] or r["spill_loads"] or r["traps"]), what
+        # the launcher's shared-memory rule (sparse_mla._check_gluon) is the compiler's figure
+        assert r["shared"] == G.shared_bytes(r["fmt"] == "fp8_ds_mla", c.block_n, c.num_stages), what
         # per warpgroup: scores of its BLOCK_N / 2 keys over K = 576 (36 steps of 16), once; P.V: its 64 of
         # each 128-column tile over K = BLOCK_N (4 tiles x BLOCK_N / 16 steps). Nothing else.
         assert r["wgmma"] == {f"m64n{c.block_n // 2}k16": 36, "m64n64k16": 4 * c.block_n // 16}, what
@@ -66,25 +69,27 @@ def test_gluon_config_strings_and_tiles():
     # six-field tuples (no gluon flag) still read as Triton tiles
     assert M.SparseMLAConfig.from_tile((64, 64, 8, 3, 1, False), 2) == M.SparseMLAConfig(64, 64, 2, 8, 3)
     assert (64, 64, 8, 2, 1, False, True) in M.candidate_tiles((9, 0), "bf16")
-    for cap, fmt in [((9, 0), "fp8_ds_mla"), ((8, 0), "bf16"), ((8, 9), "bf16"), ((12, 0), "bf16"),
-                     ((10, 0), "bf16")]:
-        assert not any(t[6] for t in M.candidate_tiles(cap, fmt)), (cap, fmt)
+    assert (64, 64, 8, 2, 1, False, True) in M.candidate_tiles((9, 0), "fp8_ds_mla")
+    for cap in [(8, 0), (8, 9), (12, 0), (10, 0)]:
+        for fmt in M.KV_FORMATS:
+            assert not any(t[6] for t in M.candidate_tiles(cap, fmt)), (cap, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 @pytest.mark.parametrize("H", [64, 100, 128])
-def test_choose_config_takes_the_gluon_tile_from_gluon_min_rows(H):
+def test_choose_config_takes_the_gluon_tile_from_gluon_min_rows(H, fmt):
     groups = -(-H // 64)
     for T in (1, 2, 4, 8, 9, 16, 33, 128, 4096):
-        c = M.choose_config(T, H, 2048, "bf16", capability=(9, 0), gluon=True)
+        c = M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=True)
         latency = M.latency_regime(T, H)
         assert c.gluon == (not latency and T * groups >= M.GLUON_MIN_ROWS), (T, H, c)
         if c.gluon:
-            assert c.tile == M._GLUON_TUNING[("sm90", "bf16", 64)].config.tile and c.num_splits >= 1
+            assert c.tile == M._GLUON_TUNING[("sm90", fmt, 64)].config.tile and c.num_splits >= 1
         # without Gluon: the same config where it was not Gluon, else the bucket's Triton tile
-        t = M.choose_config(T, H, 2048, "bf16", capability=(9, 0), gluon=False)
-        assert t == c if not c.gluon else t.tile == M._THROUGHPUT_TUNING[("sm90", "bf16", 64)].config.tile
-    for cap, fmt in [((9, 0), "fp8_ds_mla"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((12, 0), "bf16")]:
-        assert not M.choose_config(4096, H, 2048, fmt, capability=cap, gluon=True).gluon, (cap, fmt)
+        t = M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=False)
+        assert t == c if not c.gluon else t.tile == M._THROUGHPUT_TUNING[("sm90", fmt, 64)].config.tile
+    for cap in [(8, 0), (8, 6), (12, 0), (10, 0)]:
+        assert not M.choose_config(4096, H, 2048, fmt, capability=cap, gluon=True).gluon, cap
 
 
 def test_interpreted_runs_never_default_to_gluon():
@@ -130,7 +135,9 @@ def test_a_gluon_config_is_refused_in_one_line_where_it_cannot_run(config, why):
 
 
 @pytest.mark.parametrize("kw,why", [
-    (dict(kv_format="fp8_ds_mla", config="h64n64s1w8p3g"), "2 gather buffers"),
+    (dict(kv_format="fp8_ds_mla", config="h64n64s1w8p3g"), "3 gather buffers of 64 rows need 270848 B"),
+    (dict(config="h64n64s1w8p3g"), "3 gather buffers of 64 rows need 303616 B"),
+    (dict(config="h64n32s1w8p6g"), "more than sm_90's 232448"),
     (dict(kv_format="nvfp4"), "not nvfp4"),
     (dict(capability=(8, 9)), "sm_90 kernel"),
     (dict(capability=(12, 0)), "sm_90 kernel"),
@@ -148,6 +155,7 @@ def test_check_gluon_names_what_it_does_not_do(kw, why, monkeypatch):
     assert "\n" not in str(e.value)
     M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p4g"), "bf16", (9, 0))  # valid ones pass
     M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w8p2g"), "fp8_ds_mla", (9, 0))
+    M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p5g"), "fp8_ds_mla", (9, 0))
 
 
 class _BrokenGluonLaunch:
