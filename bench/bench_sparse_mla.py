@@ -70,7 +70,8 @@ FOCUS_SHAPES = [("bf16", 128, 128, False), ("fp8_ds_mla", 128, 128, False), ("bf
                 ("fp8_ds_mla", 128, 64, False), ("bf16", 1, 64, False), ("fp8_ds_mla", 1, 64, False),
                 ("fp8_ds_mla", 1, 8, False), ("bf16", 32, 64, False), ("bf16", 128, 16, False),
                 ("fp8_ds_mla", 32, 16, False), ("fp8_ds_mla", 128, 16, False),
-                ("bf16", 8, 64, False), ("bf16", 128, 8, False), ("fp8_ds_mla", 32, 64, False)]
+                ("bf16", 8, 64, False), ("bf16", 128, 8, False), ("fp8_ds_mla", 32, 64, False),
+                ("fp8_ds_mla", 8, 64, False)]
 BASELINE = os.path.join(ROOT, "bench", "results", "h200-sparse_mla-run1.md")
 
 
