@@ -572,10 +572,13 @@ for _table in (_LATENCY_TUNING, _THROUGHPUT_TUNING):
 _THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2)
 
 # sm_90, 64-head bucket: the Gluon kernel (sparse_mla_sm90.py; num_stages = its gather buffers) wherever
-# the batch has at least GLUON_MIN_ROWS (token, 64-head group) rows. On the H200 (bench/RESULTS.md) bf16 took
-# 30-34% off the Triton tile's time at T=128 (H=64 and 128) and at T=4096, 17% at T=32 (4 splits), and was 6%
-# slower at T=8 (16 splits; 2026-12-03; 10% faster there after 2026-12-04's reordering, not yet promoted);
-# fp8_ds_mla (2026-12-04) 20-29% at T=32 and T=128, 2% at T=8.
+# the batch has at least GLUON_MIN_ROWS[format] (token, 64-head group) rows (checked before the latency regime). On the
+# H200 (bench/RESULTS.md) bf16 took 30-34% off the Triton tile's time at T=128 (H=64 and 128) and at T=4096, 17%
+# at T=32; fp8_ds_mla (2026-12-04) 20-29% at T=32 and T=128. Small batches (bench/small_batch.py, 2026-12-05,
+# timed as the backend calls them): bf16 from 5 rows (10-27% faster than the Triton tile at 5-16 rows; at 4 rows
+# even with the latency tile, which converts request-local positions inline and so launches once less);
+# fp8_ds_mla from 10 rows (6-8% faster than the Triton tile there; at 5-8 rows within 2% of it: its dequantisation
+# is not overlapped there but its gathers are pipelined three deep).
 # Used where GLUON_DEFAULT holds: a Triton with Gluon for Hopper, compiled kernels (not the interpreter), and
 # DSA_OVERLAY_GLUON unset or 1 (0: the Triton tiles everywhere, e.g. for a Triton whose Gluon differs).
 _GLUON_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
@@ -584,7 +587,13 @@ _GLUON_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
     ("sm90", "fp8_ds_mla", 64): SparseMLATuning(SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
                                                                 gluon=True)),
 }
-GLUON_MIN_ROWS = 16
+GLUON_MIN_ROWS: dict[str, int] = {"bf16": 5, "fp8_ds_mla": 10}
+# The latency tile (16 heads) at 64+ heads runs ceil(H / 16) head groups over the same rows: for fp8_ds_mla each
+# group gathers and dequantises every row again. On the H200 (bench/small_batch.py, 2026-12-05, backend calls)
+# it took 27.2 / 34.9 us at 3 / 4 rows (64 heads) and 34.0 at 4 (128 heads), where the 64-head Triton tile took
+# 23.7 / 26.1 / 25.0, and won at 1-2 rows (4-32%): there the latency regime ends at this many rows. bf16 keeps the
+# sm_count / 8 rule (its latency tile was 11-35% faster than the 64-head Triton tile at 1-3 rows).
+_LATENCY_MAX_ROWS64: dict[tuple[str, str], int] = {("sm90", "fp8_ds_mla"): 2}
 GLUON_ENV = "DSA_OVERLAY_GLUON"
 
 
@@ -670,23 +679,26 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
     """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes;
     cached, the result is frozen).
 
-    Latency regime (T x ceil(H / 16) <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16): the
-    16-head latency tile. Otherwise the head bucket's throughput tile, or its Gluon tile (_GLUON_TUNING)
-    where there is one, ``gluon`` (default GLUON_DEFAULT) allows it and T x ceil(H / 64) >= GLUON_MIN_ROWS.
-    Then the top-k list is split so
+    The head bucket's Gluon tile (_GLUON_TUNING) where there is one, ``gluon`` (default GLUON_DEFAULT) allows
+    it and T x ceil(H / 64) >= GLUON_MIN_ROWS[kv_format]. Otherwise, in the latency regime (T x ceil(H / 16)
+    <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16; at 64+ heads also at most
+    _LATENCY_MAX_ROWS64[(family, kv_format)] (token, 64-head) rows where that is set): the 16-head latency tile;
+    else the head bucket's throughput tile. Then the top-k list is split so
     that T x head groups x splits fills the tile's programs-per-SM x sm_count (waves over the SMs), at
     most one split per BLOCK_N tile and never an empty split; splits are merged by lse in a second kernel.
     """
     fam = _family(capability)
     T = max(1, num_tokens)
     gluon = GLUON_DEFAULT if gluon is None else gluon
-    if latency_regime(num_tokens, num_heads, sm_count):
+    key = (fam, kv_format, _head_bucket(num_heads))
+    rows64 = T * _cdiv(num_heads, 64)
+    if gluon and key in _GLUON_TUNING and rows64 >= GLUON_MIN_ROWS[kv_format]:
+        entry = _GLUON_TUNING[key]
+    elif latency_regime(num_tokens, num_heads, sm_count) and not (
+            key[2] == 64 and rows64 > _LATENCY_MAX_ROWS64.get((fam, kv_format), rows64)):
         entry = _LATENCY_TUNING[(fam, kv_format)]
     else:
-        key = (fam, kv_format, _head_bucket(num_heads))
         entry = _THROUGHPUT_TUNING[key]
-        if gluon and key in _GLUON_TUNING and T * _cdiv(num_heads, 64) >= GLUON_MIN_ROWS:
-            entry = _GLUON_TUNING[key]
     splits = split_count(num_tokens, num_heads, topk, entry.config, entry.programs_per_sm, sm_count)
     return replace(entry.config, num_splits=splits)
 

@@ -56,7 +56,7 @@ def _run_mla(case: C.MlaCase, **kw):
 
 MLA = [
     # (seed, fmt, H, topk, T, block_size, num_blocks): the heuristic picks the launch
-    (401, "bf16", 128, 2048, 4, 64, 40),      # 128 heads x top-k 2048, throughput tile, split
+    (401, "bf16", 128, 2048, 4, 64, 40),      # 128 heads x top-k 2048, split (sm_90: the bf16 Gluon tile, 8 rows)
     (402, "fp8_ds_mla", 128, 2048, 4, 64, 40),
     (403, "bf16", 16, 2048, 1, 64, 40),       # batch-1 decode: latency tile, 32 splits
     (404, "fp8_ds_mla", 64, 2048, 1, 64, 40),
@@ -66,11 +66,16 @@ MLA = [
     (408, "fp8_ds_mla", 32, 130, 9, 1, 400),  # block_size 1
     (409, "bf16", 5, 7, 3, 16, 3),            # odd sizes
     (410, "fp8_ds_mla", 100, 97, 2, 64, 4),
-    # sm_90 bf16 with >= GLUON_MIN_ROWS (token, 64-head) rows: the Gluon tile (sparse_mla_sm90.py) by default
+    # sm_90 with >= GLUON_MIN_ROWS[format] (token, 64-head) rows: the Gluon tile (sparse_mla_sm90.py) by default
     (411, "bf16", 128, 2048, 20, 64, 40),     # 128 heads (two head groups), top-k 2048 in splits
     (412, "bf16", 100, 301, 17, 1, 400),      # a half-empty second head group, odd top-k, block_size 1
     (413, "fp8_ds_mla", 128, 2048, 20, 64, 40),  # the same two on an fp8_ds_mla cache (its Gluon tile)
     (414, "fp8_ds_mla", 100, 301, 17, 1, 400),
+    # sm_90 small batches (bench/small_batch.py): bf16 Gluon from 5 rows (here 128 heads x 3 tokens); fp8 the
+    # 64-head Triton tile from 3 rows, where the latency tile was, and its Gluon tile from 10
+    (415, "bf16", 128, 2048, 3, 64, 40),
+    (416, "fp8_ds_mla", 64, 2048, 3, 64, 40),
+    (417, "fp8_ds_mla", 64, 2048, 10, 64, 40),
 ]
 
 

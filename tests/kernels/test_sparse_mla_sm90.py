@@ -79,17 +79,46 @@ def test_gluon_config_strings_and_tiles():
 @pytest.mark.parametrize("H", [64, 100, 128])
 def test_choose_config_takes_the_gluon_tile_from_gluon_min_rows(H, fmt):
     groups = -(-H // 64)
-    for T in (1, 2, 4, 8, 9, 16, 33, 128, 4096):
+    for T in (1, 2, 3, 4, 5, 8, 9, 10, 16, 33, 128, 4096):
         c = M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=True)
-        latency = M.latency_regime(T, H)
-        assert c.gluon == (not latency and T * groups >= M.GLUON_MIN_ROWS), (T, H, c)
+        assert c.gluon == (T * groups >= M.GLUON_MIN_ROWS[fmt]), (T, H, c)
         if c.gluon:
             assert c.tile == M._GLUON_TUNING[("sm90", fmt, 64)].config.tile and c.num_splits >= 1
-        # without Gluon: the same config where it was not Gluon, else the bucket's Triton tile
+        # without Gluon: the same config where it was not Gluon, else the latency or the bucket's Triton tile
         t = M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=False)
-        assert t == c if not c.gluon else t.tile == M._THROUGHPUT_TUNING[("sm90", fmt, 64)].config.tile
+        assert not t.gluon and (t == c if not c.gluon else t.tile in (
+            M._THROUGHPUT_TUNING[("sm90", fmt, 64)].config.tile, M._LATENCY_TUNING[("sm90", fmt)].config.tile))
     for cap in [(8, 0), (8, 6), (12, 0), (10, 0)]:
         assert not M.choose_config(4096, H, 2048, fmt, capability=cap, gluon=True).gluon, cap
+        assert not M.choose_config(4, H, 2048, fmt, capability=cap, gluon=True).gluon, cap
+
+
+def test_small_batch_tiles_at_64_heads_on_sm90():
+    """What bench/small_batch.py measured on the H200 (2026-12-05), as choose_config's picks at 64 heads."""
+    lat = {f: M._LATENCY_TUNING[("sm90", f)].config.tile for f in M.KV_FORMATS}
+    thr = {f: M._THROUGHPUT_TUNING[("sm90", f, 64)].config.tile for f in M.KV_FORMATS}
+    glu = {f: M._GLUON_TUNING[("sm90", f, 64)].config.tile for f in M.KV_FORMATS}
+
+    def tile(T, fmt, H=64, gluon=True):
+        return M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=gluon).tile
+
+    # bf16: the latency tile for 1-4 tokens, the Gluon tile from 5 rows (at 128 heads: 3 tokens)
+    assert [tile(T, "bf16") for T in (1, 2, 3, 4, 5, 6)] == [lat["bf16"]] * 4 + [glu["bf16"]] * 2
+    assert tile(2, "bf16", H=128) == lat["bf16"] and tile(3, "bf16", H=128) == glu["bf16"]
+    # fp8_ds_mla: the latency tile up to 2 rows; the 64-head Triton tile for 3-9 rows; Gluon from 10
+    assert [tile(T, "fp8_ds_mla") for T in (1, 2, 3, 4, 9, 10)] == (
+        [lat["fp8_ds_mla"]] * 2 + [thr["fp8_ds_mla"]] * 3 + [glu["fp8_ds_mla"]])
+    assert tile(1, "fp8_ds_mla", H=128) == lat["fp8_ds_mla"] and tile(2, "fp8_ds_mla", H=128) == thr["fp8_ds_mla"]
+    assert tile(5, "fp8_ds_mla", H=128) == glu["fp8_ds_mla"]
+    # without Gluon the fp8 rule stands; bf16 keeps the sm_count / 8 latency regime
+    assert tile(4, "fp8_ds_mla", gluon=False) == thr["fp8_ds_mla"] and tile(4, "bf16", gluon=False) == lat["bf16"]
+    # the rule is sm_90's and the 64-head bucket's: 16 and 32 heads and the other families keep the latency tile
+    for H in (8, 16, 32):
+        assert tile(4, "fp8_ds_mla", H=H) == lat["fp8_ds_mla"], H
+    for cap in [(8, 0), (8, 9), (12, 0), (10, 0)]:
+        fam = M._family(cap)
+        assert M.choose_config(4, 64, 2048, "fp8_ds_mla", capability=cap).tile == \
+            M._LATENCY_TUNING[(fam, "fp8_ds_mla")].config.tile, cap
 
 
 def test_interpreted_runs_never_default_to_gluon():
