@@ -2,18 +2,20 @@
 """Sparse-MLA attention at small decode batches on sm_90: which tile wins at each (token, 64-head) row count.
 
 choose_config has three sm_90 tiles for 64+ heads: the 16-head latency tile (latency regime: T x ceil(H / 16) <=
-sm_count / 8; fp8_ds_mla also at most _LATENCY_MAX_ROWS64 (token, 64-head) rows), the Triton throughput tile, and the Gluon tile (sparse_mla_sm90.py) from GLUON_MIN_ROWS[format]
-(token, 64-head group) rows. Decode batches of 1-24 requests are what one user or a few run all day, so this
-bench times all three at every T of --batches, H in --heads, both cache formats, each with choose_config's
-split rule, beside FlashMLA's kernel in the same process (vLLM's heads-padded call) and reports which tile
-is fastest per row count, the pick choose_config makes now, and the smallest row count from which the Gluon
-tile is fastest at every larger measured count (`suggest_min_rows`: the value GLUON_MIN_ROWS should hold).
+sm_count / 8; fp8_ds_mla also at most _LATENCY_MAX_ROWS64 (token, 64-head) rows), the Triton throughput tile, and
+the Gluon tile (sparse_mla_sm90.py) from GLUON_MIN_ROWS[format] (token, 64-head group) rows. Decode batches of 1-24
+requests are what one user or a few run all day, so this bench times all three at every T of --batches, H in
+--heads, both cache formats, each with choose_config's split rule, beside FlashMLA's kernel in the same process
+(vLLM's heads-padded call) and reports which tile is fastest per row count, the pick choose_config makes now, and
+the smallest row count from which the Gluon tile is fastest at every larger measured count (`suggest_min_rows`: the
+value GLUON_MIN_ROWS should hold).
 
-Every tile is timed as the backend calls it (request-local positions through a block table, the conversion
-inline or in its own launch as the plan decides) and on slot ids alone. Columns (bench/timing.py): graph us for every tile; eager and launch us for the pick; the mma.sync build's
-time of the Triton pick (`--mma-sync`: DISABLE_MMA_V3=1, own TRITON_CACHE_DIR; the sm_80-sm_120 GPUs have no
-Gluon tile). On a CPU (--cpu-smoke) eager wall times stand in for graph times. A tile whose output is off the float32 reference by > 2e-2 is shown as an error, never timed.
-`--cpu-smoke` runs two tiny shapes in Triton's interpreter (no Gluon there; numbers meaningless).
+Every tile is timed as the backend calls it (request-local positions through a block table, the conversion inline
+or in its own launch as the plan decides) and on slot ids alone. Columns (bench/timing.py): graph us for every
+tile; eager and launch us for the pick; the mma.sync build's time of the Triton pick (`--mma-sync`:
+DISABLE_MMA_V3=1, own TRITON_CACHE_DIR; the sm_80-sm_120 GPUs have no Gluon tile). A tile whose output is off the
+float32 reference by > 2e-2 is shown as an error, never timed. `--cpu-smoke` runs two tiny shapes in Triton's
+interpreter (no Gluon there; eager wall times stand in for graph times; numbers meaningless).
 
     python3 bench/small_batch.py --out $OUT/small_batch.md [--mma-sync]     # ~2 min on an H200
 """
@@ -39,11 +41,6 @@ from bench.timing import Timer, add_timing_args, mma_sync_column, rank_us, write
 
 TILES = ("latency", "triton", "gluon")
 ERR_LIMIT = 2e-2
-
-
-def groups(T: int, H: int) -> int:
-    """(token, 64-head group) rows of a batch: what GLUON_MIN_ROWS counts."""
-    return max(1, T) * -(-H // 64)
 
 
 def suggest_min_rows(times: dict[int, dict[str, float | None]]) -> int | None:
@@ -144,7 +141,7 @@ def main(argv=None):
                     continue
                 ref, _ = SM.sparse_mla_reference(q, cache, idx, scale, fmt)
                 pick = SM.choose_config(T, H, args.topk, fmt, sm_count=sm_count, capability=cap)
-                row = {"fmt": fmt, "T": T, "H": H, "rows": groups(T, H), "pick": str(pick), "tiles": {}, "raw": {},
+                row = {"fmt": fmt, "T": T, "H": H, "rows": SM.rows_of_64_heads(T, H), "pick": str(pick), "tiles": {}, "raw": {},
                        "configs": {}, "errors": {}}
                 for name, cfg in tile_configs(SM, T, H, args.topk, fmt, sm_count).items():
                     row["configs"][name] = str(cfg)

@@ -688,19 +688,24 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
     most one split per BLOCK_N tile and never an empty split; splits are merged by lse in a second kernel.
     """
     fam = _family(capability)
-    T = max(1, num_tokens)
     gluon = GLUON_DEFAULT if gluon is None else gluon
     key = (fam, kv_format, _head_bucket(num_heads))
-    rows64 = T * _cdiv(num_heads, 64)
+    rows64 = rows_of_64_heads(num_tokens, num_heads)
+    latency_cap = _LATENCY_MAX_ROWS64.get((fam, kv_format)) if key[2] == 64 else None
     if gluon and key in _GLUON_TUNING and rows64 >= GLUON_MIN_ROWS[kv_format]:
         entry = _GLUON_TUNING[key]
-    elif latency_regime(num_tokens, num_heads, sm_count) and not (
-            key[2] == 64 and rows64 > _LATENCY_MAX_ROWS64.get((fam, kv_format), rows64)):
+    elif latency_regime(num_tokens, num_heads, sm_count) and (latency_cap is None or rows64 <= latency_cap):
         entry = _LATENCY_TUNING[(fam, kv_format)]
     else:
         entry = _THROUGHPUT_TUNING[key]
     splits = split_count(num_tokens, num_heads, topk, entry.config, entry.programs_per_sm, sm_count)
     return replace(entry.config, num_splits=splits)
+
+
+def rows_of_64_heads(num_tokens: int, num_heads: int) -> int:
+    """(token, 64-head group) rows of a batch, T x ceil(H / 64): what GLUON_MIN_ROWS and _LATENCY_MAX_ROWS64
+    count."""
+    return max(1, num_tokens) * _cdiv(num_heads, 64)
 
 
 def latency_regime(num_tokens: int, num_heads: int, sm_count: int = 132) -> bool:

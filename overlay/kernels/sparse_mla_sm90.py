@@ -22,7 +22,8 @@ Gluon only compiles for NVIDIA GPUs (no interpreter): correctness is checked on 
 against float64 references, bench/bench_sparse_mla.py's reference check) and the kernel is cross-compiled for sm_90
 under every Triton the tests meet (tests/kernels/test_sparse_mla_sm90.py: 3.5.1, 3.6, and the newest vLLM venv's).
 ``GLUON`` is False where this Triton has no Gluon for Hopper. Where it runs: sparse_mla.py's _GLUON_TUNING (sm_90,
-bf16 and fp8_ds_mla caches, 64-head bucket, batches of at least GLUON_MIN_ROWS[format] rows; DSA_OVERLAY_GLUON=0 turns it off).
+bf16 and fp8_ds_mla caches, 64-head bucket, batches of at least GLUON_MIN_ROWS[format] rows; DSA_OVERLAY_GLUON=0
+turns it off).
 """
 
 from __future__ import annotations

@@ -27,8 +27,10 @@ def test_suggest_min_rows_is_where_gluon_wins_from_there_on():
     assert S.suggest_min_rows({8: {"latency": 9.0}}) is None   # Gluon not timed (no Gluon on this GPU)
 
 
-def test_groups_counts_token_64_head_rows():
-    assert [S.groups(T, H) for T, H in ((1, 64), (3, 128), (5, 100), (0, 64), (4, 16))] == [1, 6, 10, 1, 4]
+def test_rows_of_64_heads_counts_token_64_head_rows():
+    from overlay.kernels import sparse_mla as SM
+
+    assert [SM.rows_of_64_heads(T, H) for T, H in ((1, 64), (3, 128), (5, 100), (0, 64), (4, 16))] == [1, 6, 10, 1, 4]
 
 
 def test_tile_configs_follow_the_sm90_tables_and_the_split_rule():
