@@ -17,7 +17,7 @@ each kernel's max error vs a float64 torch reference on a sample of rows, and th
 top-2048 sets of ours and DeepGEMM), then timing by bench/timing.py: graph (GPU time by CUDA-graph
 replay), eager (one plain call) and launch (host time per call) for ours and DeepGEMM, L2 flushed
 before every graph and eager call.  `--mma-sync` adds our kernel built for mma.sync (a child run
-with DISABLE_MMA_V3=1, its own TRITON_CACHE_DIR).
+with DISABLE_MMA_V3=1, its own TRITON_CACHE_DIR, the Triton kernel where sm_90 picks its Gluon one).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import sys
 import time
 import traceback
 import zipfile
+from dataclasses import replace
 
 import torch
 
@@ -473,8 +474,24 @@ FOCUS_PREFILL_VARIANTS = [
     ("BN64 BT4 w4 s4", dict(BLOCK_N=64, BT=4, num_warps=4, num_stages=4)),
     ("BN128 BT8 w8 s4", dict(BLOCK_N=128, BT=8, num_warps=8, num_stages=4)),
 ]
+_GL = dict(GLUON=True, BLOCK_N=64, num_warps=4, num_stages=4, per_sm=2, SCALES_AHEAD=False)
 FOCUS_DECODE_VARIANTS = [
     ("default", {}),
+    # the Triton kernel's own pick ("gluon": the decode_config switch; on sm_90 the default at next_n >= 2 x 64
+    # heads is the Gluon kernel, indexer_sm90.py), then the Gluon kernel at other buffer counts, tiles, occupancy
+    ("triton pick", {"gluon": False}),
+    # both picks with the cache block size read at run time (CONST_BS=False: before 2026-12-05)
+    ("default, runtime block size", {"gluon": True, "CONST_BS": False}),
+    ("triton pick, runtime block size", {"gluon": False, "CONST_BS": False}),
+    ("gluon BN64 nb3 ps3", dict(_GL, num_stages=3, per_sm=3)),
+    ("gluon BN64 nb4 ps3", dict(_GL, per_sm=3)),
+    # ptxas's register cap (maxnreg): 162 / 151 registers without spills at 64 columns, three programs resident
+    ("gluon BN64 nb3 ps3 r168", dict(_GL, num_stages=3, per_sm=3, maxnreg=168)),
+    ("gluon BN64 nb4 ps3 r168", dict(_GL, per_sm=3, maxnreg=168)),
+    ("gluon BN64 nb3 ps4 r168", dict(_GL, num_stages=3, per_sm=4, maxnreg=168)),
+    ("gluon BN64 nb4 ps2", _GL),
+    # the Triton tile at two tokens x 64 heads (253 registers) capped so that three are resident
+    ("BN64 ps3 r168", dict(BLOCK_N=64, num_warps=4, num_stages=3, per_sm=3, maxnreg=168)),
     ("run1 tile BN64 ps4", dict(BLOCK_N=64, num_warps=4, num_stages=3, per_sm=4)),
     ("run1 flat loop BN128 ps4", dict(BLOCK_N=128, num_warps=4, num_stages=3, per_sm=4,
                                       NESTED=False, HOIST_Q=False)),
@@ -601,6 +618,12 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
             cfg = dict(cfg)
             if "per_sm" in cfg:
                 cfg["programs"] = cfg.pop("per_sm") * sms
+            if "gluon" in cfg:   # a whole config: decode_config's pick with the Gluon switch as given
+                base = ours.decode_config(ours._device_info(q.device)[0], q.shape[2], nn, B, ctx, sms,
+                                          gluon=cfg.pop("gluon"))
+                cfg = replace(base, **cfg)
+            elif cfg and "GLUON" not in cfg:   # the Triton variants below name the Triton kernel
+                cfg["GLUON"] = False
             # the default as vLLM calls it (no _config: the launch plan; a _config call is never planned)
             return ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, None, ctx, False,
                                              _config=cfg or None)
@@ -625,6 +648,7 @@ def _write_report(lines: list[str], t_start: float, out: str) -> None:
 
 
 def main():
+    global HEADS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fallback-src", help="vLLM 0.17.1 vllm/utils/deep_gemm.py or its wheel")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_indexer.md"))
@@ -633,13 +657,18 @@ def main():
                     help="wall-clock budget; the config sweep uses what the table leaves")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one prefill and two decode rows")
+    ap.add_argument("--heads", type=int, default=HEADS,
+                    help="index heads (GLM-5: 32, the default; DeepSeek-V3.2: 64)")
     ap.add_argument("--focus", action="store_true",
                     help="only the shapes below 0.7x DeepGEMM in run 1 (+2 small), every kernel "
                          "variant vs DeepGEMM (< 90 s on an H200)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes on the CPU under the Triton interpreter (tests this script)")
     args = ap.parse_args()
+    HEADS = args.heads
     child = args.mma_sync_child is not None
+    if child:   # the mma.sync build stands for sm_80-sm_120, which have no Gluon kernel (its wgmma is explicit and
+        ours.GLUON_DEFAULT = False   # ignores DISABLE_MMA_V3): the child times the Triton kernel sm_90 would run
     mma, mma_note = mma_sync_column(args, __file__)
     t_start = time.time()
     deadline = t_start + args.budget_s
@@ -665,7 +694,7 @@ def main():
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {name} "
         f"({sms} SMs), torch {torch.__version__}, triton "
-        f"{triton.__version__}, vLLM {upstream.version}; GLM-5 indexer: {HEADS} heads, D={D}, "
+        f"{triton.__version__}, vLLM {upstream.version}; index heads {HEADS} (GLM-5: 32, DeepSeek-V3.2: 64), D={D}, "
         f"block size {BLOCK_SIZE}, clean_logits=False (as vLLM calls it).  Torch fallback: "
         f"{fb_note}.  Ours config: prefill {ours.prefill_config(cap, HEADS)}, "
         f"decode {ours.decode_config(cap, HEADS, 1)}."
@@ -675,7 +704,8 @@ def main():
         f"launch = {args.launch_calls} back-to-back calls): graph us = GPU time per call by CUDA-graph "
         "replay (what serving under CUDA graphs sees); eager us = one plain call (host launch + GPU, "
         "what calls outside vLLM's graphs pay); launch us = host time to launch one call"
-        + ("; mma.sync = our default built for mma.sync (DISABLE_MMA_V3=1), graph time" if args.mma_sync else "")
+        + ("; mma.sync = our default Triton kernel built for mma.sync (DISABLE_MMA_V3=1), graph time"
+           if args.mma_sync else "")
         + ".  speed = DeepGEMM graph time / ours (>= 0.7 is the target); vs torch = torch time / ours "
         "(>= 10 is the target; the torch fallback runs eagerly).  err = max |x - fp64 reference| / max "
         "|reference| on sampled rows; diff = the same between ours and DeepGEMM over visible positions; "

@@ -52,15 +52,21 @@ import (`INTERPRETED`; tests).
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from .indexer_sm90 import GLUON as _GLUON
+from .indexer_sm90 import _paged_mqa_logits_sm90_kernel
 from .launch import DirectLauncher as _Launcher
 from .launch import KeptLaunch as _Kept
 from .launch import PlanTable
+from .launch import build_failed as _build_failed
+from .launch import build_failure_text as _build_failure_text
+from .launch import env_switch as _env_switch
 
 __all__ = [
     "HEAD_DIM",
@@ -241,12 +247,14 @@ def _paged_mqa_logits_kernel(
     stride_blk, stride_om,
     D: tl.constexpr, HP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr, SCALES_AHEAD: tl.constexpr = False, HOIST_Q: tl.constexpr = True,
-    NESTED: tl.constexpr = True,
+    NESTED: tl.constexpr = True, BS: tl.constexpr = 0,
 ):
     """Decode, persistent: work item = (request b, key tile t) for query tokens [j0, j0 + T) of b.
     Request b has max(1, cdiv(len_b, BLOCK_N)) items (len_b: the furthest position any of its
     tokens sees, or max_model_len when cleaning); program p takes items
-    [p * total / P, (p + 1) * total / P) in request-major order.  kv_ptr is the uint8 cache."""
+    [p * total / P, (p + 1) * total / P) in request-major order.  kv_ptr is the uint8 cache.
+    BS: the cache block size as a constant (its divisions become shifts), 0: block_size at run time."""
+    block_size = BS if BS > 0 else block_size
     pid = tl.program_id(0)
     kvs_ptr = kv_ptr.to(tl.pointer_type(tl.float32))
     if DOT_MODE % 2 == 0:   # DOT_FP8 / DOT_FP32 load e4m3 tiles; the others decode raw bytes
@@ -400,7 +408,11 @@ INTERPRETED = type(_mqa_logits_kernel).__name__ == "InterpretedFunction"
 # Host launch cost: cached CompiledKernels launched past Triton's JIT entry (overlay/kernels/launch.py).
 _prefill_launch = _Launcher(_mqa_logits_kernel)
 _decode_launch = _Launcher(_paged_mqa_logits_kernel)
-LAUNCHERS = [_prefill_launch, _decode_launch]
+_decode_gluon_launch = _Launcher(_paged_mqa_logits_sm90_kernel) if _GLUON else None
+LAUNCHERS = [_prefill_launch, _decode_launch] + ([_decode_gluon_launch] if _GLUON else [])
+# The sm_90 Gluon decode kernel (indexer_sm90.py) where decode_config picks it; DSA_OVERLAY_GLUON=0 (the switch the
+# Gluon attention tile reads too) keeps the Triton kernel everywhere.
+GLUON_DEFAULT = _GLUON and not INTERPRETED and _env_switch("DSA_OVERLAY_GLUON", "the Triton kernels everywhere")
 # fp8_paged_mqa_logits plans a call once per (shapes, strides, dtypes, devices, lengths) key, as
 # sparse_mla_attention does (see there): on where every launcher launches directly.
 _PAGED_PLANS = PlanTable(LAUNCHERS)
@@ -446,7 +458,13 @@ class DecodeConfig:
     PrefillConfig; SCALES_AHEAD: prefetch each tile's key scales one tile ahead; HOIST_Q: keep a
     request's query operand in registers for all its tiles; NESTED: walk request by request with a
     pipelined inner tile loop (else one work item per iteration); num_warps, num_stages: Triton
-    launch options; per_sm: persistent programs per SM; programs: an explicit program count instead.
+    launch options; per_sm: persistent programs per SM; programs: an explicit program count instead;
+    GLUON: the sm_90 Gluon kernel (indexer_sm90.py: NESTED's walk with the next tile's wgmma over this
+    one's epilogue; num_stages is its number of key buffers; T * HP <= 128, 4 warps, DOT_FP8); maxnreg:
+    ptxas's register cap per thread (None: its own choice), so that more programs are resident per SM;
+    CONST_BS: compile the cache's block size in (its divisions become shifts, and the Gluon kernel reads one
+    block-table entry per tile where a tile lies in one block; one binary per block size), else read it at run time;
+    on sm_90, where it was measured (H100: 6-13% at batch 128), not yet elsewhere.
     """
 
     HP: int
@@ -461,9 +479,14 @@ class DecodeConfig:
     num_stages: int
     per_sm: int
     programs: int | None = None
+    GLUON: bool = False
+    maxnreg: int | None = None
+    CONST_BS: bool = False
 
     def constexprs(self) -> dict:
         """The kernel's constexpr arguments (but D)."""
+        if self.GLUON:
+            return dict(HP=self.HP, T=self.T, BLOCK_N=self.BLOCK_N, BLOCK_B=self.BLOCK_B, NUM_BUF=self.num_stages)
         return dict(HP=self.HP, T=self.T, BLOCK_N=self.BLOCK_N, BLOCK_B=self.BLOCK_B,
                     DOT_MODE=self.DOT_MODE, SCALES_AHEAD=bool(self.SCALES_AHEAD),
                     HOIST_Q=bool(self.HOIST_Q), NESTED=bool(self.NESTED))
@@ -533,6 +556,26 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
 }
 
 
+# The sm_90 Gluon decode kernel's launch per (T, HP): key tile, key buffers (num_stages), programs per SM, register
+# cap. Measured on an H100 with the block size compiled in (CONST_BS; vLLM 0.26.0's DeepGEMM in the same run,
+# bench_indexer.py --focus, 2026-12-05, bench/RESULTS.md stop 35), ctx 16K, B = 32 / 128: two tokens x 32 heads (GLM-5
+# with MTP) 40.3 / 120.4 us against the Triton kernel's 45.6 / 133.5 (DeepGEMM 36.0 / 111.5); two tokens x 64 heads
+# (DeepSeek-V3.2 with MTP), 4 key buffers and 2 programs per SM, 46.8 / 144.3 against 53.9 / 167.8 (DeepGEMM
+# 36.5 / 113.6; capped at 168 registers for three programs per SM it ran 45.5 / 146.0 but spills with Triton's ptxas). One token: the Triton kernel is 3-12% faster from batch 8 on, the Gluon kernel
+# 12-18% at batch 1 (32 and 64 heads; also before CONST_BS, on the H100 and the H200): DECODE_GLUON_BATCH1.
+_GLUON_DECODE = DecodeConfig(HP=64, T=1, BLOCK_N=64, BLOCK_B=128, DOT_MODE=DOT_FP8, SCALES_AHEAD=False,
+                             HOIST_Q=True, NESTED=True, num_warps=4, num_stages=3, per_sm=3, GLUON=True,
+                             CONST_BS=True)
+DECODE_GLUON: dict[tuple[int, int], DecodeConfig] = {
+    (2, 32): replace(_GLUON_DECODE, T=2, HP=32),
+    (2, 64): replace(_GLUON_DECODE, T=2, HP=64, num_stages=4, per_sm=2),
+}
+DECODE_GLUON_BATCH1: dict[tuple[int, int], DecodeConfig] = {
+    (1, 32): replace(_GLUON_DECODE, HP=32),
+    (1, 64): _GLUON_DECODE,
+}
+
+
 def _family(capability) -> str:
     """Tuning-table family of a (major, minor) capability, by how the MMA multiplies: "hopper" (sm_90,
     wgmma), "fp8" (sm_89 / sm_12x, fp8 mma.sync), "bf16" (sm_80 / sm_86, e4m3 decoded to bf16),
@@ -559,7 +602,8 @@ def prefill_config(capability, heads: int) -> PrefillConfig:
 
 @functools.cache
 def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
-                  max_len: int | None = None, num_sms: int | None = None) -> DecodeConfig:
+                  max_len: int | None = None, num_sms: int | None = None, *,
+                  gluon: bool | None = None) -> DecodeConfig:
     """Tile choice of the paged decode kernel: T query tokens of one request (1 or 2, what vLLM
     passes natively; a larger next_n runs as several launches of T tokens) against BLOCK_N cached
     keys, with the requests' work counted BLOCK_B at a time, on `per_sm` * SMs persistent programs.
@@ -568,7 +612,10 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
     The key tile grows (fewer, larger tiles: less per-tile overhead, more bytes in flight) when the
     batch could fill every program with large tiles: batch * cdiv(max_len, BLOCK_N_large) >=
     programs.  The context lengths live on the GPU (CUDA graphs), so `max_len` is the launch's
-    max_model_len, an upper bound; batch=None picks the large tile."""
+    max_model_len, an upper bound; batch=None picks the large tile.
+
+    On sm_90 the Gluon kernel's config where it has one for (T, HP) (DECODE_GLUON; at batch 1 also
+    DECODE_GLUON_BATCH1) and ``gluon`` (default GLUON_DEFAULT) allows it."""
     hp = _padded_heads(heads)
     fam = _family(capability)
     tune = DECODE_TUNING[fam]
@@ -586,10 +633,19 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
     # Scale prefetch with the large tile only (it loses with the small one).
     # measured: bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
     ahead = fam == "hopper" and nested and block_n == tune.block_n_large
+    if fam == "hopper" and (GLUON_DEFAULT if gluon is None else gluon):
+        if (t, hp) in DECODE_GLUON:
+            return DECODE_GLUON[(t, hp)]
+        if batch == 1 and (t, hp) in DECODE_GLUON_BATCH1:
+            return DECODE_GLUON_BATCH1[(t, hp)]
+    per_sm = tune.programs_per_sm_t2 if t == 2 else tune.programs_per_sm
+    if fam == "hopper" and t * hp > 64:
+        # 128 MMA columns: the [BLOCK_N, 128] fp32 scores take the tile to 253 registers, two programs resident per
+        # SM; more programs only queue (H100, 64 heads x 2 tokens: 175.5 us at 2 per SM, 189.7 at 8)
+        per_sm = 2
     return DecodeConfig(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, DOT_MODE=dot_mode_for_capability(capability),
                         SCALES_AHEAD=ahead, HOIST_Q=nested, NESTED=nested, num_warps=tune.num_warps,
-                        num_stages=tune.num_stages,
-                        per_sm=tune.programs_per_sm_t2 if t == 2 else tune.programs_per_sm)
+                        num_stages=tune.num_stages, per_sm=per_sm, CONST_BS=fam == "hopper")
 
 
 def launch_configs(capability) -> list[tuple[str, PrefillConfig | DecodeConfig]]:
@@ -919,7 +975,30 @@ def fp8_paged_mqa_logits(
     if plan is None:  # checks every argument; a repeat call with the same key reuses it
         plan = _PAGED_PLANS.keep(key, _PagedPlan(q_fp8, kv_cache_fp8, weights, context_lens, block_tables,
                                                  max_model_len, clean_logits, _config, _out))
-    return plan.run(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, _out)
+    try:
+        return plan.run(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, _out)
+    except Exception as e:  # noqa: BLE001 - only a failed build of the heuristic's Gluon kernel is handled
+        if not (plan.default_gluon and _build_failed(e)):
+            raise
+        _stop_gluon(e)
+    return fp8_paged_mqa_logits(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
+                                max_model_len, clean_logits, _config=_config, _out=_out)
+
+
+# The heuristic's Gluon decode kernel is built at its first launch. If this Triton cannot build it, that call and
+# every later one run the Triton kernel: one warning in the log, never a failed forward (as sparse_mla.py does for
+# its Gluon tile). A config that names the Gluon kernel itself still raises.
+_log = logging.getLogger(__name__)
+
+
+def _stop_gluon(e: BaseException) -> None:
+    global GLUON_DEFAULT
+    GLUON_DEFAULT = False
+    decode_config.cache_clear()
+    _PAGED_PLANS.reset()
+    _log.warning("dsa-overlay: the sm_90 Gluon indexer kernel did not build with Triton %s (%s: %s); the Triton "
+                 "kernel runs instead from now on (DSA_OVERLAY_GLUON=0 skips the attempt)", triton.__version__,
+                 type(e).__name__, _build_failure_text(e))
 
 
 def _paged_key(q, kv_cache, weights, context_lens, block_tables, max_model_len, clean_logits, config, out):
@@ -979,20 +1058,31 @@ class _PagedPlan:
         self.shape = (B * next_n, max_model_len)
         out_stride = max_model_len if out is None else _result(out, self.shape, q.device).stride(0)
         self.empty = B == 0 or max_model_len == 0
+        self.default_gluon = False
         if self.empty:
             return
         capability, num_sms = _device_info(q.device)
         cfg = _with_overrides(decode_config(capability, H, next_n, B, max_model_len, num_sms), config)
+        if cfg.GLUON and not (_GLUON and not INTERPRETED and tuple(capability)[0] == 9 and cfg.DOT_MODE == DOT_FP8
+                              and cfg.T * cfg.HP <= 128 and cfg.num_warps == 4 and cfg.num_stages >= 2):
+            _fail(f"the Gluon decode kernel runs on sm_90 with DOT_FP8, T x HP <= 128, 4 warps and >= 2 buffers; "
+                  f"got capability {capability}, {cfg}")
         programs = cfg.programs or cfg.per_sm * num_sms
+        self.default_gluon = cfg.GLUON and config is None
         self.u8 = cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32)
         if self.u8:
             q = q.view(torch.uint8)   # sm_80/86 Triton has no e4m3 type: pass raw bytes
         self.grid = (programs,)
         self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.CONST_BS:
+            self.kw["BS"] = block_size
+        if cfg.maxnreg:
+            self.kw["maxnreg"] = cfg.maxnreg
         self.launches = [
             ((B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
               q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
-              stride_cb, stride_cj, block_tables.stride(0), stride_blk, out_stride), _Kept(_decode_launch))
+              stride_cb, stride_cj, block_tables.stride(0), stride_blk, out_stride),
+             _Kept(_decode_gluon_launch if cfg.GLUON else _decode_launch))
             for j0 in range(0, next_n, cfg.T)]
 
     def run(self, q, kv_cache_fp8, weights, context_lens, block_tables, out):

@@ -33,7 +33,7 @@ import weakref
 import triton
 
 __all__ = ["DirectLauncher", "KeptLaunch", "PlanTable", "reset_plans", "DIRECT_LAUNCH_ENV", "direct_launch_enabled",
-           "env_switch"]
+           "env_switch", "build_failed", "build_failure_text"]
 
 DIRECT_LAUNCH_ENV = "DSA_OVERLAY_DIRECT_LAUNCH"
 _SUPPORTED_TRITON = ("3.6",)
@@ -54,6 +54,23 @@ def env_switch(name: str, off_means: str, environ=None) -> bool:
     if value in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"{name}={env.get(name)!r} is not understood; set it to 0 ({off_means}) or 1 / unset it")
+
+
+def build_failed(e: BaseException) -> bool:
+    """Whether ``e`` is this Triton failing to build a kernel (a front-end error such as a Gluon API that moved, a
+    resource limit, ptxas, an MLIR pass): what the sm_90 Gluon kernels' callers fall back from."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    return (isinstance(e, (CompilationError, OutOfResources, PTXASError))
+            or (isinstance(e, RuntimeError) and "PassManager" in str(e)))
+
+
+def build_failure_text(e: BaseException) -> str:
+    """One line (at most 200 characters) saying why a build failed: a CompilationError's text starts with the
+    source position, its message is what says why; otherwise the error's last line."""
+    why = (getattr(e, "error_message", None) or (str(e).strip().splitlines() or [""])[-1]).strip()
+    return " ".join(why.split())[:200]
 
 
 def direct_launch_enabled(environ=None) -> bool:
@@ -212,8 +229,8 @@ class DirectLauncher:
             return  # not loaded (the launch did not happen): keep the JIT path
         tail = self._tail(kwargs)
         if tail is None or any(k not in {p.name for p in self._constexpr} for k in kwargs
-                               if k not in ("num_warps", "num_stages")):
-            return  # an option this mirror does not know (num_ctas, maxnreg, ...): keep the JIT path
+                               if k not in ("num_warps", "num_stages", "maxnreg")):
+            return  # an option this mirror does not know (num_ctas, ...): keep the JIT path
         self._cache[key] = (kernel, tail)
 
 

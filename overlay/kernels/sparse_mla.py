@@ -64,6 +64,8 @@ import triton.language as tl
 from .launch import DirectLauncher as _Launcher
 from .launch import KeptLaunch as _Kept
 from .launch import PlanTable
+from .launch import build_failed as _build_failed
+from .launch import build_failure_text as _build_failure_text
 from .launch import env_switch as _env_switch
 from .sparse_mla_sm90 import GLUON as _GLUON
 from .sparse_mla_sm90 import _sparse_mla_fwd_sm90_kernel
@@ -941,7 +943,7 @@ def sparse_mla_attention(
     try:
         return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
     except Exception as e:  # noqa: BLE001 - only a failed build of the heuristic's Gluon tile is handled
-        if not (plan.default_gluon and _gluon_build_failed(e)):
+        if not (plan.default_gluon and _build_failed(e)):
             raise
         _stop_gluon(e)
     return sparse_mla_attention(q, kv_cache, indices, softmax_scale, kv_format, out=out, lse=lse,
@@ -954,25 +956,14 @@ def sparse_mla_attention(
 _log = logging.getLogger(__name__)
 
 
-def _gluon_build_failed(e: BaseException) -> bool:
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources, PTXASError
-
-    return (isinstance(e, (CompilationError, OutOfResources, PTXASError))
-            or (isinstance(e, RuntimeError) and "PassManager" in str(e)))
-
-
 def _stop_gluon(e: BaseException) -> None:
     global GLUON_DEFAULT
     GLUON_DEFAULT = False
     choose_config.cache_clear()
     _PLANS.reset()
-    # a CompilationError's text starts with the source position; its message is what says why
-    why = (getattr(e, "error_message", None) or (str(e).strip().splitlines() or [""])[-1]).strip()
-    first = " ".join(why.split())[:200]
     _log.warning("dsa-overlay: the sm_90 Gluon attention tile did not build with Triton %s (%s: %s); the Triton "
                  "tile runs instead from now on (%s=0 skips the attempt)", triton.__version__, type(e).__name__,
-                 first, GLUON_ENV)
+                 _build_failure_text(e), GLUON_ENV)
 
 
 # ----------------------------------------------------------------------------------------------------

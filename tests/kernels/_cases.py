@@ -355,3 +355,27 @@ def assert_paged_visibility(case: PagedCase, ref_logits: torch.Tensor) -> None:
             vis = visible_len(case.cl, b, j, next_n, case.max_model_len)
             row = ref_logits[b * next_n + j]
             assert torch.isfinite(row[:vis]).all() and torch.isinf(row[vis:]).all(), (case.what, b, j)
+
+
+# ------------------------------------------------------------------------------------------------
+# A Gluon kernel that does not build (the heuristics' fallback tests)
+# ------------------------------------------------------------------------------------------------
+
+class BrokenLaunch:
+    """Stands in for a Gluon kernel's launcher: every launch fails the way a Triton without the Gluon API the
+    kernel uses fails (a CompilationError out of the front end), or with any other error; counts the tries."""
+
+    def __init__(self, error):
+        self.error, self.calls = error, 0
+
+    def __call__(self, grid, *args, **kwargs):
+        self.calls += 1
+        raise self.error
+
+
+def compilation_error(msg):
+    import ast
+
+    from triton.compiler.errors import CompilationError
+
+    return CompilationError(None, ast.parse("gl.thread_barrier()").body[0], msg)

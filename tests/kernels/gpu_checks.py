@@ -15,6 +15,7 @@ pytest process without TRITON_INTERPRET (and skips without CUDA). Run it directl
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -211,20 +212,39 @@ PAGED = [
     (514, 2, 128, 64, [600, 33], True, None),          # index heads beyond 64
     (515, 1, 100, 64, [500, 7], False, None),
     (516, 2, 64, 64, [1200, 300, 90], False, 700),      # contexts longer than max_model_len
+    (517, 2, 32, 64, [1500, 5, 64, 1, 0, 900], True, None),   # GLM-5 with MTP: sm_90's Gluon kernel by default
+    (518, 2, 32, 16, [700, 3, 17, 0, 250], False, None),      # cache blocks smaller than the Gluon kernel's tile
+    (519, 1, 64, 128, [900, 1, 128, 129], True, None),        # ... and larger: two tiles per block
+    (520, 1, 32, 64, [2500], False, None),                    # batch 1: sm_90's Gluon kernel by default
 ]
 
 
-@pytest.mark.parametrize("walk", ["default", "flat", "flat-bf16"])
+@pytest.mark.parametrize("walk", ["default", "triton", "gluon", "gluon-nb2", "gluon-runtime-bs", "flat", "flat-bf16"])
 @pytest.mark.parametrize("p", PAGED, ids=lambda p: f"seed={p[0]}-n{p[1]}-H{p[2]}")
 def test_indexer_paged(p, walk):
-    """The device's own config (on sm_90: the per-request walk, scales prefetched for the large tile), the
-    flat walk of the other targets, and the sm_80/86 decoder path."""
+    """The device's own config (on sm_90: the Gluon kernel at next_n >= 2 x 64 heads, else the per-request walk,
+    scales prefetched for the large tile), the Triton kernel's own pick (``triton``), the sm_90 Gluon kernel forced
+    at every shape it takes (4 and 2 key buffers: the ring wraps every 2 tiles; the block size read at run time, not
+    compiled in), the flat walk of the other targets, and the sm_80/86 decoder path."""
     seed, next_n, H, bs, lens, two_d, mml = p
     case = C.paged_case(seed, len(lens), next_n, H, bs, lens, two_d=two_d, max_model_len=mml)
     g = case.to("cuda")
-    cfg = {"default": None, "flat": dict(NESTED=False, HOIST_Q=False, SCALES_AHEAD=False),
-           "flat-bf16": dict(NESTED=False, HOIST_Q=False, SCALES_AHEAD=False, DOT_MODE=IX.DOT_BF16,
-                             BLOCK_N=32)}[walk]
+    cap = torch.cuda.get_device_capability()
+    if walk.startswith("gluon"):
+        if cap[0] != 9 or min(next_n, 2) * IX._padded_heads(H) > 128:
+            pytest.skip("the Gluon decode kernel: sm_90, T x padded heads <= 128")
+        gl_cfg = dict(GLUON=True, BLOCK_N=64, num_warps=4, num_stages=4 if walk == "gluon" else 2, per_sm=2,
+                      NESTED=True, HOIST_Q=True, SCALES_AHEAD=False, DOT_MODE=IX.DOT_FP8)
+    cfg = {"default": None, "triton": lambda: IX.decode_config(cap, H, next_n, gluon=False),
+           "gluon": lambda: gl_cfg, "gluon-nb2": lambda: gl_cfg,
+           "gluon-runtime-bs": lambda: dict(gl_cfg, CONST_BS=False),
+           "flat": lambda: replace(IX.decode_config(cap, H, next_n, gluon=False), NESTED=False, HOIST_Q=False,
+                                   SCALES_AHEAD=False),
+           "flat-bf16": lambda: replace(IX.decode_config(cap, H, next_n, gluon=False), NESTED=False, HOIST_Q=False,
+                                        SCALES_AHEAD=False, DOT_MODE=IX.DOT_BF16, BLOCK_N=32)}[walk]
+    cfg = cfg() if callable(cfg) else cfg
+    if walk == "triton":
+        assert not cfg.GLUON
     out = IX.fp8_paged_mqa_logits(g.q, g.cache, g.w, g.cl, g.tables, None, case.max_model_len, True,
                                   _config=cfg, _out=C.poisoned((len(lens) * next_n, case.max_model_len), "cuda"))
     torch.cuda.synchronize()
@@ -288,11 +308,12 @@ def test_direct_launch_is_bit_identical_to_the_jit_entry():
     pc = C.prefill_case(620, 300, 1500, 64).to("cuda")
     res = _jit_and_direct(lambda: IX.fp8_mqa_logits(pc.q, (pc.k, pc.k_scales), pc.w, pc.ks, pc.ke, True))
     assert torch.equal(res[0], res[1]) and torch.equal(res[0], res[2])
-    case = C.paged_case(621, 5, 2, 64, 64, [1, 700, 64, 0, 3000], max_model_len=3072)
-    g = case.to("cuda")
-    res = _jit_and_direct(lambda: IX.fp8_paged_mqa_logits(g.q, g.cache, g.w, g.cl, g.tables, None,
-                                                          case.max_model_len, True))
-    assert torch.equal(res[0], res[1]) and torch.equal(res[0], res[2])
+    for seed, next_n, H in ((621, 2, 64), (622, 2, 32), (623, 1, 64)):   # on sm_90 the last two: the Gluon kernel
+        case = C.paged_case(seed, 5, next_n, H, 64, [1, 700, 64, 0, 3000], max_model_len=3072)
+        g = case.to("cuda")
+        res = _jit_and_direct(lambda: IX.fp8_paged_mqa_logits(g.q, g.cache, g.w, g.cl, g.tables, None,
+                                                              case.max_model_len, True))
+        assert torch.equal(res[0], res[1]) and torch.equal(res[0], res[2]), case.what
 
 
 def test_backend_forward_with_request_local_indices():
@@ -390,3 +411,15 @@ def test_fp8_prefill_workspace_on_gpu():
         worst = max(worst, ((out[t].double() - ref).abs().max() / ref.abs().max()).item())
         assert (lse[t].double() - torch.logsumexp(s, -1)).abs().max() < 1e-2, t
     assert worst < 2e-2, worst
+
+
+def test_sm90_indexer_default_is_the_gluon_kernel_where_the_table_says():
+    """On sm_90 with Gluon available, vLLM's calls at two tokens x 32 or 64 index heads and one token at batch 1 run
+    the Gluon decode kernel (the paged cases above check its results), the others the Triton kernel."""
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9 or not IX.GLUON_DEFAULT:
+        pytest.skip("sm_90 with Gluon and DSA_OVERLAY_GLUON unset")
+    assert IX.decode_config(cap, 32, 2).GLUON and IX.decode_config(cap, 64, 2).GLUON
+    assert IX.decode_config(cap, 64, 1, 1).GLUON and IX.decode_config(cap, 32, 1, 1).GLUON
+    assert not IX.decode_config(cap, 64, 1, 8).GLUON and not IX.decode_config(cap, 32, 1).GLUON
+    assert not IX.decode_config(cap, 128, 2).GLUON

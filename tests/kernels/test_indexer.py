@@ -354,3 +354,105 @@ def test_paged_bad_input_names_the_tensor():
         ix.fp8_paged_mqa_logits(q, cache, w, cl.long(), tables, None, 32, True)
     with pytest.raises(ValueError, match="weights must be"):
         ix.fp8_paged_mqa_logits(q, cache, w[:2], cl, tables, None, 32, True)
+
+
+def test_sm90_gluon_decode_config_is_picked_only_where_it_has_one():
+    """The Gluon decode kernel's config on sm_90 at two query tokens x 32 or 64 padded heads at any batch, one token
+    x 32 or 64 at batch 1, when allowed; the Triton kernel's everywhere else (larger one-token batches, other T,
+    heads, GPU families), and always with gluon=False."""
+    for (n, h, batch) in ((2, 32, 32), (2, 64, 128), (3, 17, None), (2, 33, 1), (1, 32, 1), (1, 64, 1)):
+        on = ix.decode_config((9, 0), h, n, batch, 16384, 132, gluon=True)   # next_n 3: T = 2; 17 heads pad to 32
+        assert on.GLUON and (on.T, on.HP, on.DOT_MODE, on.num_warps) == (min(n, 2), ix._padded_heads(h),
+                                                                         ix.DOT_FP8, 4), (n, h)
+        assert on.constexprs() == dict(HP=on.HP, T=on.T, BLOCK_N=on.BLOCK_N, BLOCK_B=on.BLOCK_B,
+                                       NUM_BUF=on.num_stages)
+    for args in (((9, 0), 64, 1, 8), ((9, 0), 32, 1, None), ((9, 0), 128, 2, 1), ((9, 0), 16, 2, 1),
+                 ((9, 0), 128, 1, 1), ((8, 9), 32, 2, 1), ((12, 0), 64, 1, 1), ((10, 0), 32, 2, 1),
+                 ((8, 0), 64, 1, 1)):
+        assert not ix.decode_config(*args, gluon=True).GLUON, args
+    off = ix.decode_config((9, 0), 32, 2, 32, 16384, 132, gluon=False)
+    assert not off.GLUON and "NUM_BUF" not in off.constexprs()
+    # the interpreter never picks it (no Gluon on the CPU)
+    assert not ix.GLUON_DEFAULT and not ix.decode_config((9, 0), 32, 2).GLUON
+
+
+def test_sm90_triton_decode_keeps_two_programs_per_sm_at_128_mma_columns():
+    """T x HP = 128 compiles to 253 registers on sm_90 (two programs resident): the launch asks for two per SM;
+    at 64 columns the table's own count stands."""
+    tune = ix.DECODE_TUNING["hopper"]
+    assert ix.decode_config((9, 0), 64, 2, gluon=False).per_sm == 2
+    assert ix.decode_config((9, 0), 128, 1, gluon=False).per_sm == 2
+    assert ix.decode_config((9, 0), 32, 2, gluon=False).per_sm == tune.programs_per_sm_t2
+    assert ix.decode_config((9, 0), 32, 1, gluon=False).per_sm == tune.programs_per_sm
+    assert ix.decode_config((8, 9), 64, 2).per_sm == ix.DECODE_TUNING["fp8"].programs_per_sm_t2
+
+
+def test_gluon_decode_override_off_sm90_is_a_one_line_error():
+    c = C.paged_case(82, 2, 2, 64, 16, [20, 9])
+    with pytest.raises(ValueError, match="the Gluon decode kernel runs on sm_90"):
+        ix.fp8_paged_mqa_logits(c.q, c.cache, c.w, c.cl, c.tables, None, 32, True, _config=dict(GLUON=True))
+
+
+@pytest.fixture
+def GI(monkeypatch):
+    """The kernel module, loaded for the interpreter, planning as on an H100/H200 while its Gluon decode kernel is
+    the default (DECODE_GLUON's config, past the sm_90 check) and as in the interpreter once it is not."""
+    mod = load_interpreted(KERNEL_FILE, "_indexer_gluon_fallback")
+    monkeypatch.setattr(mod, "_GLUON", True)
+    monkeypatch.setattr(mod, "INTERPRETED", False)
+    monkeypatch.setattr(mod, "GLUON_DEFAULT", True)
+    monkeypatch.setattr(mod, "_device_info", lambda device: ((9, 0), 4) if mod.GLUON_DEFAULT else (None, 4))
+    mod.decode_config.cache_clear()
+    yield mod
+    mod.decode_config.cache_clear()
+    mod._PAGED_PLANS.reset()
+
+
+def test_a_gluon_decode_kernel_that_does_not_build_falls_back_to_the_triton_kernel_once(GI, monkeypatch, caplog):
+    broken = C.BrokenLaunch(C.compilation_error("module 'gluon.language' has no attribute 'thread_barrier'"))
+    monkeypatch.setattr(GI, "_decode_gluon_launch", broken)
+    c = C.paged_case(83, 3, 2, 32, 16, [40, 0, 17])   # two tokens x 32 heads: the Gluon kernel's shapes
+    assert GI.decode_config((9, 0), 32, 2, 3, c.max_model_len, 4).GLUON  # what the first call plans
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            out = GI.fp8_paged_mqa_logits(c.q, c.cache, c.w, c.cl, c.tables, None, c.max_model_len, True,
+                                          _out=C.poisoned((6, c.max_model_len)))
+            C.check_logits(out, c.ref(), TOL, True, f"paged {c.what} after a failed Gluon build")
+    assert broken.calls == 1  # tried once; the second call planned the Triton kernel straight away
+    warnings = [r.getMessage() for r in caplog.records if "Gluon indexer kernel did not build" in r.getMessage()]
+    assert len(warnings) == 1 and "DSA_OVERLAY_GLUON=0" in warnings[0]
+    assert "\n" not in warnings[0] and "no attribute 'thread_barrier'" in warnings[0]
+    assert not GI.GLUON_DEFAULT
+
+
+def test_gluon_decode_errors_other_than_a_build_failure_and_caller_configs_still_raise(GI, monkeypatch):
+    from triton.compiler.errors import CompilationError
+
+    c = C.paged_case(84, 2, 2, 64, 16, [33, 5])       # two tokens x 64 heads
+    monkeypatch.setattr(GI, "_decode_gluon_launch", C.BrokenLaunch(ValueError("not a build failure")))
+    with pytest.raises(ValueError, match="not a build failure"):
+        GI.fp8_paged_mqa_logits(c.q, c.cache, c.w, c.cl, c.tables, None, c.max_model_len, True)
+    assert GI.GLUON_DEFAULT
+    GI._PAGED_PLANS.reset()
+    monkeypatch.setattr(GI, "_decode_gluon_launch", C.BrokenLaunch(C.compilation_error("no Gluon here")))
+    cfg = dict(T=1, HP=64, BLOCK_N=64, DOT_MODE=GI.DOT_FP8, num_warps=4, num_stages=3, GLUON=True)
+    with pytest.raises(CompilationError):            # a config the caller names is not replaced
+        GI.fp8_paged_mqa_logits(c.q, c.cache, c.w, c.cl, c.tables, None, c.max_model_len, True, _config=cfg)
+    assert GI.GLUON_DEFAULT
+
+
+@pytest.mark.parametrize("block_size,cfg", [(16, dict(BLOCK_N=16)), (16, dict(BLOCK_N=64)), (64, dict(BLOCK_N=32)),
+                                            (32, dict(BLOCK_N=32, NESTED=False, HOIST_Q=False))])
+def test_paged_block_size_compiled_in_matches_reference(block_size, cfg):
+    """CONST_BS (the block size a constant of the kernel, sm_90's default): tiles smaller than, equal to and larger
+    than a cache block, both walks; the same logits as the reference."""
+    lens = [70, 0, 1, 64, 129, 33]
+    case = C.paged_case(90 + block_size, len(lens), 2, 8, block_size, lens)
+    out = _paged(case, True, _config=dict(cfg, CONST_BS=True, programs=5))
+    C.check_logits(out, case.ref(), TOL, True, f"paged {case.what} CONST_BS {cfg}")
+
+
+def test_block_size_is_compiled_in_on_sm90_only():
+    assert all(ix.decode_config((9, 0), h, n, gluon=g).CONST_BS for h in (32, 64, 128) for n in (1, 2)
+               for g in (True, False))
+    assert not any(ix.decode_config(cap, 32, 2).CONST_BS for cap in ((8, 0), (8, 9), (10, 0), (12, 0)))

@@ -29,6 +29,9 @@ TARGETS = (80, 86, 89, 90, 100, 120, 121)
 SHARED_LIMIT = {80: 163 * 1024, 86: 101376, 89: 101376, 90: 227 * 1024, 100: 227 * 1024, 120: 101376,
                 121: 101376}
 
+# vLLM's indexer cache block size (DeepGEMM's paged kernel requires 64; the overlay keeps it).
+VLLM_BLOCK_SIZE = 64
+
 # Arguments a real launch sees as multiples of 16 (Triton specialises them): every pointer (torch
 # allocations, and the cache is checked 16-byte aligned), head-dim multiples, cache geometry.
 _DIV16 = {"stride_qm", "stride_qh", "stride_kn", "stride_qb", "stride_qn", "stride_blk",
@@ -74,15 +77,25 @@ def _compile_one(ix, name: str, cfg: dict, cc: int) -> dict:
     from triton.compiler import ASTSource
 
     fn = ix._mqa_logits_kernel if name == "prefill" else ix._paged_mqa_logits_kernel
+    source = ASTSource
+    if cfg.get("GLUON"):   # the sm_90 Gluon decode kernel (indexer_sm90.py): its own front end
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+
+        fn = ix._paged_mqa_logits_sm90_kernel
     sig, div = _signature(fn, cfg["DOT_MODE"], ix.DOT_FP8)
     constexpr_names = [p.name for p in fn.params if p.is_constexpr]
     consts = {k: v for k, v in cfg.items() if k in constexpr_names}
     consts["D"] = ix.HEAD_DIM
+    if cfg.get("GLUON"):
+        consts["NUM_BUF"] = cfg["num_stages"]
+    if name == "decode":   # the block size compiled in, as every vLLM launch has it (0: read at run time)
+        consts["BS"] = VLLM_BLOCK_SIZE if cfg.get("CONST_BS") else 0
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+    kernel = triton.compile(source(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", cc, 32),
-                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                                     **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})})
     ptx = kernel.asm["ptx"]
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1).rstrip(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,6 +107,7 @@ def _compile_one(ix, name: str, cfg: dict, cc: int) -> dict:
     log = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", log)
     return dict(kernel=name, cc=cc, cfg=cfg, shared=int(kernel.metadata.shared), arch=arch,
+                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                 traps=len(re.findall(r"^\s*trap;", ptx, re.M)),   # a construct Triton could not lower
                 ptxas_rc=res.returncode, registers=int(regs.group(1)) if regs else -1,
                 spill_bytes=sum(int(x) for x in re.findall(r"(\d+) bytes spill", log)),
@@ -164,6 +178,16 @@ def test_every_config_compiles_fits_and_does_not_spill(compiled, cc, request):
         assert 0 < r["registers"] <= 255, f"{what}: {r['registers']} registers"
         assert r["spill_bytes"] == 0, f"{what}: spills {r['spill_bytes']} bytes\n{r['log']}"
         assert r["traps"] == 0, f"{what}: lowered to {r['traps']} trap(s): Triton cannot compile it there"
+
+
+def test_sm90_decode_has_the_gluon_kernel_where_the_table_picks_it(compiled):
+    """On sm_90 two query tokens x 32 or 64 index heads (GLM-5 / DeepSeek-V3.2 with MTP) and, at batch 1, one token
+    launch the Gluon kernel, and it multiplies with wgmma; nowhere else does a launch table pick it."""
+    tri, rows = compiled
+    gluon = [r for r in rows if r["kernel"] == "decode" and r["cfg"].get("GLUON")]
+    assert {(r["cc"], r["cfg"]["T"], r["cfg"]["HP"]) for r in gluon} == {(90, 2, 32), (90, 2, 64), (90, 1, 32),
+                                                                         (90, 1, 64)}, f"triton {tri}"
+    assert all(r["wgmma"] > 0 for r in gluon), f"triton {tri}: the Gluon decode kernel has no wgmma"
 
 
 def test_native_fp8_dot_only_where_the_target_has_it(compiled):

@@ -187,26 +187,6 @@ def test_check_gluon_names_what_it_does_not_do(kw, why, monkeypatch):
     M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p5g"), "fp8_ds_mla", (9, 0))
 
 
-class _BrokenGluonLaunch:
-    """Stands in for the Gluon kernel's launcher: its first launch fails the way a Triton without the Gluon API
-    this kernel uses fails (a CompilationError out of the front end), or with any other error."""
-
-    def __init__(self, error):
-        self.error, self.calls = error, 0
-
-    def __call__(self, grid, *args, **kwargs):
-        self.calls += 1
-        raise self.error
-
-
-def _compilation_error(msg):
-    import ast
-
-    from triton.compiler.errors import CompilationError
-
-    return CompilationError(None, ast.parse("gl.thread_barrier()").body[0], msg)
-
-
 @pytest.fixture
 def MI(monkeypatch):
     """The kernel module loaded for the interpreter as tests/kernels/test_sparse_mla.py loads it, with its heuristic
@@ -230,7 +210,7 @@ def _small_case(seed):
 def test_a_gluon_tile_that_does_not_build_falls_back_to_the_triton_tile_once(MI, monkeypatch, caplog):
     from tests.kernels import _cases as C
 
-    broken = _BrokenGluonLaunch(_compilation_error("module 'gluon.language' has no attribute 'thread_barrier'"))
+    broken = C.BrokenLaunch(C.compilation_error("module 'gluon.language' has no attribute 'thread_barrier'"))
     monkeypatch.setattr(MI, "_gluon_launch", broken)
     case = _small_case(441)
     assert MI.choose_config(17, 64, 40, "bf16").gluon  # what the call below plans first
@@ -247,7 +227,9 @@ def test_a_gluon_tile_that_does_not_build_falls_back_to_the_triton_tile_once(MI,
 
 
 def test_other_errors_of_the_gluon_tile_are_not_swallowed(MI, monkeypatch):
-    broken = _BrokenGluonLaunch(ValueError("not a build failure"))
+    from tests.kernels import _cases as C
+
+    broken = C.BrokenLaunch(ValueError("not a build failure"))
     monkeypatch.setattr(MI, "_gluon_launch", broken)
     case = _small_case(442)
     with pytest.raises(ValueError, match="not a build failure"):
@@ -258,7 +240,9 @@ def test_other_errors_of_the_gluon_tile_are_not_swallowed(MI, monkeypatch):
 def test_a_gluon_config_given_by_the_caller_is_not_replaced(MI, monkeypatch):
     from triton.compiler.errors import CompilationError
 
-    monkeypatch.setattr(MI, "_gluon_launch", _BrokenGluonLaunch(_compilation_error("no Gluon here")))
+    from tests.kernels import _cases as C
+
+    monkeypatch.setattr(MI, "_gluon_launch", C.BrokenLaunch(C.compilation_error("no Gluon here")))
     case = _small_case(443)
     with pytest.raises(CompilationError):
         MI.sparse_mla_attention(case.q, case.cache, case.idx, case.scale,
