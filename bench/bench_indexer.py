@@ -477,8 +477,9 @@ FOCUS_PREFILL_VARIANTS = [
 _GL = dict(GLUON=True, BLOCK_N=64, num_warps=4, num_stages=4, per_sm=2, SCALES_AHEAD=False)
 FOCUS_DECODE_VARIANTS = [
     ("default", {}),
-    # the Triton kernel's own pick ("gluon": the decode_config switch; on sm_90 the default at next_n >= 2 x 64
-    # heads is the Gluon kernel, indexer_sm90.py), then the Gluon kernel at other buffer counts, tiles, occupancy
+    # the Triton kernel's own pick ("gluon": the decode_config switch; on sm_90 the default at two tokens x <= 64
+    # heads and at batch 1 is the Gluon kernel, indexer_sm90.py), then the Gluon kernel at other buffer counts,
+    # tiles, occupancy
     ("triton pick", {"gluon": False}),
     # both picks with the cache block size read at run time (CONST_BS=False: before 2026-12-05)
     ("default, runtime block size", {"gluon": True, "CONST_BS": False}),

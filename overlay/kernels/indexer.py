@@ -66,7 +66,8 @@ from .launch import KeptLaunch as _Kept
 from .launch import PlanTable
 from .launch import build_failed as _build_failed
 from .launch import build_failure_text as _build_failure_text
-from .launch import env_switch as _env_switch
+from .launch import GLUON_ENV
+from .launch import gluon_wanted as _gluon_wanted
 
 __all__ = [
     "HEAD_DIM",
@@ -412,7 +413,7 @@ _decode_gluon_launch = _Launcher(_paged_mqa_logits_sm90_kernel) if _GLUON else N
 LAUNCHERS = [_prefill_launch, _decode_launch] + ([_decode_gluon_launch] if _GLUON else [])
 # The sm_90 Gluon decode kernel (indexer_sm90.py) where decode_config picks it; DSA_OVERLAY_GLUON=0 (the switch the
 # Gluon attention tile reads too) keeps the Triton kernel everywhere.
-GLUON_DEFAULT = _GLUON and not INTERPRETED and _env_switch("DSA_OVERLAY_GLUON", "the Triton kernels everywhere")
+GLUON_DEFAULT = _GLUON and not INTERPRETED and _gluon_wanted()
 # fp8_paged_mqa_logits plans a call once per (shapes, strides, dtypes, devices, lengths) key, as
 # sparse_mla_attention does (see there): on where every launcher launches directly.
 _PAGED_PLANS = PlanTable(LAUNCHERS)
@@ -561,8 +562,9 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
 # bench_indexer.py --focus, 2026-12-05, bench/RESULTS.md stop 35), ctx 16K, B = 32 / 128: two tokens x 32 heads (GLM-5
 # with MTP) 40.3 / 120.4 us against the Triton kernel's 45.6 / 133.5 (DeepGEMM 36.0 / 111.5); two tokens x 64 heads
 # (DeepSeek-V3.2 with MTP), 4 key buffers and 2 programs per SM, 46.8 / 144.3 against 53.9 / 167.8 (DeepGEMM
-# 36.5 / 113.6; capped at 168 registers for three programs per SM it ran 45.5 / 146.0 but spills with Triton's ptxas). One token: the Triton kernel is 3-12% faster from batch 8 on, the Gluon kernel
-# 12-18% at batch 1 (32 and 64 heads; also before CONST_BS, on the H100 and the H200): DECODE_GLUON_BATCH1.
+# 36.5 / 113.6; capped at 168 registers for three programs per SM it ran 45.5 / 146.0 but spills with Triton's
+# ptxas). One token: the Triton kernel is 3-12% faster from batch 8 on, the Gluon kernel 12-18% at batch 1 (32 and
+# 64 heads; also before CONST_BS, on the H100 and the H200): DECODE_GLUON_BATCH1.
 _GLUON_DECODE = DecodeConfig(HP=64, T=1, BLOCK_N=64, BLOCK_B=128, DOT_MODE=DOT_FP8, SCALES_AHEAD=False,
                              HOIST_Q=True, NESTED=True, num_warps=4, num_stages=3, per_sm=3, GLUON=True,
                              CONST_BS=True)
@@ -997,8 +999,8 @@ def _stop_gluon(e: BaseException) -> None:
     decode_config.cache_clear()
     _PAGED_PLANS.reset()
     _log.warning("dsa-overlay: the sm_90 Gluon indexer kernel did not build with Triton %s (%s: %s); the Triton "
-                 "kernel runs instead from now on (DSA_OVERLAY_GLUON=0 skips the attempt)", triton.__version__,
-                 type(e).__name__, _build_failure_text(e))
+                 "kernel runs instead from now on (%s=0 skips the attempt)", triton.__version__,
+                 type(e).__name__, _build_failure_text(e), GLUON_ENV)
 
 
 def _paged_key(q, kv_cache, weights, context_lens, block_tables, max_model_len, clean_logits, config, out):

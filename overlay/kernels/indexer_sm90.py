@@ -30,12 +30,6 @@ except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
 GLUON = gluon is not None
-SHARED_LIMIT = 232448
-
-
-def shared_bytes(t: int, hp: int, block_n: int, num_buf: int, d: int = 128) -> int:
-    """Shared memory of one program: Q [T * HP, D] and NUM_BUF key buffers [BLOCK_N, D] in e4m3, plus scratch."""
-    return t * hp * d + num_buf * block_n * d + 1024
 
 
 if GLUON:

@@ -33,7 +33,7 @@ import weakref
 import triton
 
 __all__ = ["DirectLauncher", "KeptLaunch", "PlanTable", "reset_plans", "DIRECT_LAUNCH_ENV", "direct_launch_enabled",
-           "env_switch", "build_failed", "build_failure_text"]
+           "env_switch", "build_failed", "build_failure_text", "GLUON_ENV", "gluon_wanted"]
 
 DIRECT_LAUNCH_ENV = "DSA_OVERLAY_DIRECT_LAUNCH"
 _SUPPORTED_TRITON = ("3.6",)
@@ -54,6 +54,15 @@ def env_switch(name: str, off_means: str, environ=None) -> bool:
     if value in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"{name}={env.get(name)!r} is not understood; set it to 0 ({off_means}) or 1 / unset it")
+
+
+GLUON_ENV = "DSA_OVERLAY_GLUON"
+
+
+def gluon_wanted(environ=None) -> bool:
+    """DSA_OVERLAY_GLUON, read by every kernel module with an sm_90 Gluon kernel: unset / 1 (true/on/yes): the Gluon
+    kernels where the tables have one; 0 (false/off/no): never. Anything else is an error naming the variable."""
+    return env_switch(GLUON_ENV, "the Triton kernels everywhere", environ)
 
 
 def build_failed(e: BaseException) -> bool:

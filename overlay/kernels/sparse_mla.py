@@ -66,7 +66,8 @@ from .launch import KeptLaunch as _Kept
 from .launch import PlanTable
 from .launch import build_failed as _build_failed
 from .launch import build_failure_text as _build_failure_text
-from .launch import env_switch as _env_switch
+from .launch import GLUON_ENV
+from .launch import gluon_wanted as _gluon_wanted
 from .sparse_mla_sm90 import GLUON as _GLUON
 from .sparse_mla_sm90 import _sparse_mla_fwd_sm90_kernel
 from .sparse_mla_sm90 import SHARED_LIMIT as _SM90_SHARED
@@ -596,15 +597,6 @@ GLUON_MIN_ROWS: dict[str, int] = {"bf16": 5, "fp8_ds_mla": 10}
 # 23.7 / 26.1 / 25.0, and won at 1-2 rows (4-32%): there the latency regime ends at this many rows. bf16 keeps the
 # sm_count / 8 rule (its latency tile was 11-35% faster than the 64-head Triton tile at 1-3 rows).
 _LATENCY_MAX_ROWS64: dict[tuple[str, str], int] = {("sm90", "fp8_ds_mla"): 2}
-GLUON_ENV = "DSA_OVERLAY_GLUON"
-
-
-def _gluon_wanted(environ=None) -> bool:
-    """DSA_OVERLAY_GLUON: unset / 1 (true/on/yes): the Gluon tiles where the tables have one; 0 (false/off/no):
-    never. Anything else is an error naming the variable."""
-    return _env_switch(GLUON_ENV, "the Triton kernel everywhere", environ)
-
-
 GLUON_DEFAULT = _GLUON and not INTERPRETED and _gluon_wanted()
 
 # Variants the benchmark's --focus mode times on sm_90 beside the table tiles (bench/bench_sparse_mla.py);

@@ -222,8 +222,8 @@ PAGED = [
 @pytest.mark.parametrize("walk", ["default", "triton", "gluon", "gluon-nb2", "gluon-runtime-bs", "flat", "flat-bf16"])
 @pytest.mark.parametrize("p", PAGED, ids=lambda p: f"seed={p[0]}-n{p[1]}-H{p[2]}")
 def test_indexer_paged(p, walk):
-    """The device's own config (on sm_90: the Gluon kernel at next_n >= 2 x 64 heads, else the per-request walk,
-    scales prefetched for the large tile), the Triton kernel's own pick (``triton``), the sm_90 Gluon kernel forced
+    """The device's own config (on sm_90: the Gluon kernel at two tokens x <= 64 heads or batch 1, else the
+    per-request walk, scales prefetched for the large tile), the Triton kernel's own pick (``triton``), the sm_90 Gluon kernel forced
     at every shape it takes (4 and 2 key buffers: the ring wraps every 2 tiles; the block size read at run time, not
     compiled in), the flat walk of the other targets, and the sm_80/86 decoder path."""
     seed, next_n, H, bs, lens, two_d, mml = p
