@@ -101,7 +101,8 @@ FP8_MAX = 448.0
 
 # How the kernels multiply (constexpr DOT_MODE):
 #   DOT_FP8       fp8 tiles, native fp8 MMA (sm_89 and newer);
-#   DOT_BF16      raw e4m3 bytes decoded in registers to bf16 (sm_80/86: Triton has no e4m3 type there);
+#   DOT_BF16      raw e4m3 bytes decoded in registers to float16 (x 2^-8, exact; sm_80/86: Triton has no e4m3
+#                 type there; the name is historical);
 #   DOT_FP32      fp8 tiles upcast to fp32 (TRITON_INTERPRET=1: Triton's interpreted bf16 dot is broken);
 #   DOT_BYTES_FP32 raw bytes decoded to fp32 (interpreter check of DOT_BF16's decoder).
 DOT_FP8, DOT_BF16, DOT_FP32, DOT_BYTES_FP32 = 0, 1, 2, 3
@@ -112,30 +113,33 @@ DOT_FP8, DOT_BF16, DOT_FP32, DOT_BYTES_FP32 = 0, 1, 2, 3
 # --------------------------------------------------------------------------------------------------
 
 
+# The decoded e4m3 codes of DOT_BF16 / DOT_BYTES_FP32 are the values times 2^-8 (E4M3_SCALED); the product of two is
+# scaled back by the weights, in _score_tile.
+E4M3_SCALED = 2.0 ** -8
+
+
 @triton.jit
-def _e4m3_bytes_to_f32(x):
-    """Exact float32 value of fp8 e4m3fn codes held as uint8 (sm_80/86 have no fp8 type at all).
-    0x7f/0xff (NaN) decode as +-480; vLLM's writers saturate, so they never store them."""
-    x = x.to(tl.int32)
-    mag = x & 0x7F
-    e = mag >> 3
-    m = mag & 0x7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where((x & 0x80) != 0, -v, v)
+def _e4m3_bytes_to_f16(x):
+    """fp8 e4m3fn codes held as uint8 (sm_80/86 have no fp8 type) -> float16 of value x E4M3_SCALED, exactly,
+    subnormals included: sign, exponent and mantissa bits moved to their float16 places (exponent bias 7 -> 15 is
+    the 2^-8).  Two masks, two shifts and an or per element.  0x7f/0xff (NaN) decode as +-480 (scaled); vLLM's
+    writers saturate, so they never store them."""
+    x = x.to(tl.int16)   # zero-extended
+    return (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def _dot_operand(x, DOT_MODE: tl.constexpr):
-    """Loaded fp8 tile (fp8 for modes 0 and 2, raw uint8 codes for modes 1 and 3) -> MMA operand."""
+    """Loaded fp8 tile (fp8 for modes 0 and 2, raw uint8 codes for modes 1 and 3) -> MMA operand (modes 1 and 3:
+    the values x E4M3_SCALED)."""
     if DOT_MODE == 0:
         return x
     elif DOT_MODE == 1:
-        return _e4m3_bytes_to_f32(x).to(tl.bfloat16)
+        return _e4m3_bytes_to_f16(x)
     elif DOT_MODE == 2:
         return x.to(tl.float32)
     else:
-        return _e4m3_bytes_to_f32(x)
+        return _e4m3_bytes_to_f16(x).to(tl.float32)
 
 
 @triton.jit
@@ -148,6 +152,8 @@ def _score_tile(k, q, w, DOT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.co
         s = tl.dot(kk, tl.trans(q), input_precision="ieee")
     else:
         s = tl.dot(kk, tl.trans(q))
+    if DOT_MODE % 2 == 1:   # both operands decoded x E4M3_SCALED: relu and the head sum are linear in s
+        w = w * 65536.0
     p = tl.maximum(s, 0.0) * w[None, :]
     return tl.sum(tl.reshape(p, (BLOCK_N, T, HP)), axis=2)
 
@@ -241,6 +247,22 @@ def _request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift, 
 
 
 @triton.jit
+def _rows(bt_row, n0, rn, kv_len, block_size, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cache block (int64, from the request's block-table row) and offset in it of key rows n0 + rn, n0 a multiple
+    of BLOCK_N; rows past kv_len read block 0.  With the block size a constant (BS > 0) and whole tiles in one block,
+    one block-table entry per tile (a scalar).  (Tiles of whole blocks with each row's block and offset from rn alone,
+    `n0 // BS + rn // BS` and `rn % BS`, ran 28% slower at one token x 64 heads, BLOCK_N 128, on the H100: not used.)"""
+    if BS > 0 and BS % BLOCK_N == 0:
+        phys = tl.load(bt_row + n0 // BS, mask=n0 < kv_len, other=0).to(tl.int64)
+        off = n0 % BS + rn
+    else:
+        n = n0 + rn
+        phys = tl.load(bt_row + n // block_size, mask=n < kv_len, other=0).to(tl.int64)
+        off = n % block_size
+    return phys, off
+
+
+@triton.jit
 def _paged_mqa_logits_kernel(
     q_ptr, kv_ptr, w_ptr, cl_ptr, bt_ptr, out_ptr,
     B, H, next_n, j0, max_model_len, is_1d, clean, block_size, num_programs,
@@ -324,28 +346,22 @@ def _paged_mqa_logits_kernel(
             if SCALES_AHEAD:
                 # Software prefetch of the per-key scales one tile ahead (block-table entries two
                 # ahead), so the scale load is off the critical path of the tile's epilogue.
-                n_a = t * BLOCK_N + rn
-                phys_a = tl.load(bt_row + n_a // block_size, mask=n_a < kv_len, other=0).to(tl.int64)
-                ksc_next = tl.load(kvs_ptr + phys_a * stride_blk_f + scale_base + n_a % block_size,
-                                   mask=n_a < kv_len, other=0.0)
-                n_a += BLOCK_N
-                phys_next = tl.load(bt_row + n_a // block_size, mask=n_a < kv_len,
-                                    other=0).to(tl.int64)
+                phys_a, off_a = _rows(bt_row, t * BLOCK_N, rn, kv_len, block_size, BS, BLOCK_N)
+                ksc_next = tl.load(kvs_ptr + phys_a * stride_blk_f + scale_base + off_a,
+                                   mask=t * BLOCK_N + rn < kv_len, other=0.0)
+                phys_next, off_next = _rows(bt_row, (t + 1) * BLOCK_N, rn, kv_len, block_size, BS, BLOCK_N)
             for tt in range(t, t_end):
                 n = tt * BLOCK_N + rn
                 n_ok = n < kv_len
-                phys = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
-                off = n % block_size
+                phys, off = _rows(bt_row, tt * BLOCK_N, rn, kv_len, block_size, BS, BLOCK_N)
                 k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
                             mask=n_ok[:, None], other=0.0)
                 if SCALES_AHEAD:
                     ksc = ksc_next
-                    n1 = n + BLOCK_N
-                    ksc_next = tl.load(kvs_ptr + phys_next * stride_blk_f + scale_base
-                                       + n1 % block_size, mask=n1 < kv_len, other=0.0)
-                    n2 = n1 + BLOCK_N
-                    phys_next = tl.load(bt_row + n2 // block_size, mask=n2 < kv_len,
-                                        other=0).to(tl.int64)
+                    ksc_next = tl.load(kvs_ptr + phys_next * stride_blk_f + scale_base + off_next,
+                                       mask=n + BLOCK_N < kv_len, other=0.0)
+                    phys_next, off_next = _rows(bt_row, (tt + 2) * BLOCK_N, rn, kv_len, block_size, BS,
+                                                BLOCK_N)
                 else:
                     ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok,
                                   other=0.0)
@@ -376,9 +392,8 @@ def _paged_mqa_logits_kernel(
 
             n = t * BLOCK_N + rn
             n_ok = n < kv_len
-            phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + n // block_size, mask=n_ok,
-                           other=0).to(tl.int64)
-            off = n % block_size
+            phys, off = _rows(bt_ptr + b.to(tl.int64) * stride_btb, t * BLOCK_N, rn, kv_len, block_size, BS,
+                              BLOCK_N)
             k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
                         mask=n_ok[:, None], other=0.0)
             ksc = tl.load(kvs_ptr + phys * stride_blk_f + scale_base + off, mask=n_ok, other=0.0)
@@ -465,7 +480,8 @@ class DecodeConfig:
     ptxas's register cap per thread (None: its own choice), so that more programs are resident per SM;
     CONST_BS: compile the cache's block size in (its divisions become shifts, and the Gluon kernel reads one
     block-table entry per tile where a tile lies in one block; one binary per block size), else read it at run time;
-    on sm_90, where it was measured (H100: 6-13% at batch 128), not yet elsewhere.
+    on by default everywhere but sm_90's flat walk (H100: 6-30% at batch 128 on sm_90's picks, 1.1-1.3x on the
+    mma.sync targets' picks built for mma.sync; bench/RESULTS.md, stops 35 and 37).
     """
 
     HP: int
@@ -537,7 +553,8 @@ def _padded_heads(heads: int) -> int:
 
 # Tuning tables, keyed by GPU family (see _family).  "hopper" is measured on the H200 (GLM-5 shapes,
 # bench/bench_indexer.py and its --focus mode); the other families keep tiles the cross-compile test
-# (tests/kernels/test_indexer_xcompile.py) proves spill-free, unmeasured.
+# (tests/kernels/test_indexer_xcompile.py) proves spill-free, not tuned on their GPUs (the walk and CONST_BS were
+# chosen on an H100 built for mma.sync, decode_config).
 # tile choice measured: bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
 PREFILL_TUNING: dict[str, PrefillTuning] = {
     "hopper": PrefillTuning(mma_cols=256, block_n=64, num_warps=4, num_stages=4),
@@ -629,9 +646,12 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
         big_enough = (batch is None or max_len is None or num_sms is None
                       or batch * -(-int(max_len) // tune.block_n_large) >= tune.programs_per_sm * num_sms)
         block_n = tune.block_n_large if big_enough else block_n
-    # The per-request walk (q hoisted, pipelined tile loop) fits the registers only on sm_90 up to
-    # 128 MMA columns; elsewhere the flat one-item-per-iteration loop (spill-free, cross-compiled).
-    nested = fam == "interp" or (fam == "hopper" and t * hp <= 128)
+    # The per-request walk (q hoisted, pipelined tile loop) where it fits the registers (no spills, cross-compiled)
+    # and was faster (H100, the mma.sync build standing in for sm_80-sm_120; bench/RESULTS.md, stop 37): sm_90 up
+    # to 128 MMA columns, the fp8 mma.sync targets from 64 to 128 (1.1-1.2x faster; at 32 columns 3-4% slower), sm_80/86
+    # from 32 heads (1.4-1.6x; at 16 heads x 2 tokens it spills); else the flat one-item-per-iteration loop.
+    nested = (fam == "interp" or (fam == "hopper" and t * hp <= 128) or (fam == "fp8" and 64 <= t * hp <= 128)
+              or (fam == "bf16" and hp >= 32))
     # Scale prefetch with the large tile only (it loses with the small one).
     # measured: bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
     ahead = fam == "hopper" and nested and block_n == tune.block_n_large
@@ -647,7 +667,8 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
         per_sm = 2
     return DecodeConfig(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, DOT_MODE=dot_mode_for_capability(capability),
                         SCALES_AHEAD=ahead, HOIST_Q=nested, NESTED=nested, num_warps=tune.num_warps,
-                        num_stages=tune.num_stages, per_sm=per_sm, CONST_BS=fam == "hopper")
+                        num_stages=tune.num_stages, per_sm=per_sm,
+                        CONST_BS=fam in ("fp8", "bf16") or (fam == "hopper" and nested))
 
 
 def launch_configs(capability) -> list[tuple[str, PrefillConfig | DecodeConfig]]:

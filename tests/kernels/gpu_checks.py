@@ -219,13 +219,14 @@ PAGED = [
 ]
 
 
-@pytest.mark.parametrize("walk", ["default", "triton", "gluon", "gluon-nb2", "gluon-runtime-bs", "flat", "flat-bf16"])
+@pytest.mark.parametrize("walk", ["default", "triton", "gluon", "gluon-nb2", "gluon-runtime-bs", "flat", "flat-bf16",
+                                  "nested-bf16"])
 @pytest.mark.parametrize("p", PAGED, ids=lambda p: f"seed={p[0]}-n{p[1]}-H{p[2]}")
 def test_indexer_paged(p, walk):
     """The device's own config (on sm_90: the Gluon kernel at two tokens x <= 64 heads or batch 1, else the
-    per-request walk, scales prefetched for the large tile), the Triton kernel's own pick (``triton``), the sm_90 Gluon kernel forced
-    at every shape it takes (4 and 2 key buffers: the ring wraps every 2 tiles; the block size read at run time, not
-    compiled in), the flat walk of the other targets, and the sm_80/86 decoder path."""
+    per-request walk, scales prefetched for the large tile), the Triton kernel's own pick (``triton``), the sm_90
+    Gluon kernel forced at every shape it takes (4 and 2 key buffers: the ring wraps every 2 tiles; the block size read at run time, not
+    compiled in), the flat walk of the other targets, and the sm_80/86 decoder path in both walks."""
     seed, next_n, H, bs, lens, two_d, mml = p
     case = C.paged_case(seed, len(lens), next_n, H, bs, lens, two_d=two_d, max_model_len=mml)
     g = case.to("cuda")
@@ -241,7 +242,9 @@ def test_indexer_paged(p, walk):
            "flat": lambda: replace(IX.decode_config(cap, H, next_n, gluon=False), NESTED=False, HOIST_Q=False,
                                    SCALES_AHEAD=False),
            "flat-bf16": lambda: replace(IX.decode_config(cap, H, next_n, gluon=False), NESTED=False, HOIST_Q=False,
-                                        SCALES_AHEAD=False, DOT_MODE=IX.DOT_BF16, BLOCK_N=32)}[walk]
+                                        SCALES_AHEAD=False, DOT_MODE=IX.DOT_BF16, BLOCK_N=32),
+           "nested-bf16": lambda: replace(IX.decode_config(cap, H, next_n, gluon=False), NESTED=True, HOIST_Q=True,
+                                          SCALES_AHEAD=False, DOT_MODE=IX.DOT_BF16, BLOCK_N=64, num_warps=8)}[walk]
     cfg = cfg() if callable(cfg) else cfg
     if walk == "triton":
         assert not cfg.GLUON
@@ -250,7 +253,7 @@ def test_indexer_paged(p, walk):
     torch.cuda.synchronize()
     ref = case.ref()
     C.assert_paged_visibility(case, ref[0])
-    tol = C.IDX_GPU_BF16 if walk == "flat-bf16" else C.IDX_GPU_FP8
+    tol = C.IDX_GPU_BF16 if walk.endswith("-bf16") else C.IDX_GPU_FP8
     C.check_logits(out, ref, tol, True, f"{case.what} {walk}")
 
 

@@ -151,10 +151,7 @@ def compiled(request):
 
 
 # Known failures, strict: the test turns red again (XPASS) once the launch tables stop emitting the config.
-SPILL_100 = ("decode HP=64 T=1 BLOCK_N=64 w4 p3 (the flat walk of the 'fp8' family, which sm_100 falls into) "
-             "spills 4 B stores / 4 B loads with ptxas-blackwell")
 KNOWN_BAD = {
-    ("installed", 100): SPILL_100,
     ("3.5.1", 121): "Triton 3.5.1 ships ptxas 12.8, which has no sm_121a (added in CUDA 12.9)",
 }
 
