@@ -17,7 +17,9 @@ each kernel's max error vs a float64 torch reference on a sample of rows, and th
 top-2048 sets of ours and DeepGEMM), then timing by bench/timing.py: graph (GPU time by CUDA-graph
 replay), eager (one plain call) and launch (host time per call) for ours and DeepGEMM, L2 flushed
 before every graph and eager call.  `--mma-sync` adds our kernel built for mma.sync (a child run
-with DISABLE_MMA_V3=1, its own TRITON_CACHE_DIR, the Triton kernel where sm_90 picks its Gluon one).
+with DISABLE_MMA_V3=1, its own TRITON_CACHE_DIR, the Triton kernel where sm_90 picks its Gluon one); with --focus
+the child also times the sm_89/120 and sm_80/86 launch tables' own picks (MMA_FAMILIES, FAMILY_VARIANTS), a table
+of their own against our wgmma default.
 """
 
 from __future__ import annotations
@@ -474,6 +476,11 @@ FOCUS_PREFILL_VARIANTS = [
     ("BN64 BT4 w4 s4", dict(BLOCK_N=64, BT=4, num_warps=4, num_stages=4)),
     ("BN128 BT8 w8 s4", dict(BLOCK_N=128, BT=8, num_warps=8, num_stages=4)),
 ]
+# The mma.sync GPU families (overlay/kernels/indexer.py _family) whose launch-table picks the mma.sync child times too.
+MMA_FAMILIES = [("sm_89/120", (8, 9)), ("sm_80/86", (8, 0))]
+_FLAT = dict(NESTED=False, HOIST_Q=False, SCALES_AHEAD=False)
+FAMILY_VARIANTS = [("flat runtime BS", dict(_FLAT, CONST_BS=False)), ("flat const BS", dict(_FLAT, CONST_BS=True)),
+                   ("nested const BS", dict(CONST_BS=True, NESTED=True, HOIST_Q=True, SCALES_AHEAD=False))]
 _GL = dict(GLUON=True, BLOCK_N=64, num_warps=4, num_stages=4, per_sm=2, SCALES_AHEAD=False)
 FOCUS_DECODE_VARIANTS = [
     ("default", {}),
@@ -539,7 +546,9 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
     if CPU_SMOKE:
         prefill_cases, decode_cases, reps = [(24, 700)], [(3, 300, 1), (2, 260, 2)], 1
 
-    def table(kind, variants, cases, make_calls):
+    ours_default = {}   # case label -> our default's graph us (this build), for the mma.sync family table
+
+    def table(kind, variants, cases, make_calls, child_extra=None):
         mma_head = " default mma.sync us |" if args.mma_sync else ""
         head = ("| case | DeepGEMM graph us | DeepGEMM eager us | DeepGEMM launch us | "
                 + " | ".join(n for n, _ in variants) + f" | default eager us | default launch us |{mma_head} best |")
@@ -561,6 +570,12 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
                                                                eager=not timer.cuda, launch=False))
                 except Exception as e:  # noqa: BLE001
                     print(f"{label}: {_err(e)}", file=sys.stderr)
+                for vname, vcfg in (child_extra(case) if child_extra else []):
+                    try:
+                        child_times[f"{label} :: {vname}"] = rank_us(timer.measure(
+                            lambda c=vcfg: our_call(c), reps, eager=not timer.cuda, launch=False))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{label} :: {vname}: {_err(e)}", file=sys.stderr)
                 _empty_cache()
                 continue
             ref_rows, dg = None, None
@@ -580,6 +595,7 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
                 us = rank_us(t) if isinstance(t, Timing) else None
                 if name == "default" and isinstance(t, Timing):
                     default = t
+                    ours_default[label] = us
                 if us is not None:
                     sp = f" / {dg_us / us:.2f}x" if dg_us else ""
                     cells.append(f"{_fmt_us(us)}{sp}{' !' if bad else ''}")
@@ -632,8 +648,37 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
                 lambda: upstream.decode(q, cache, w, cl, tables, meta, ctx)[:, :ctx],
                 our_call, rows, mask)
 
+    def family_picks(case):
+        """What the mma.sync GPUs' own launch tables pick for this decode case (their block size at run time and
+        compiled in), timed in the mma.sync child only."""
+        B, ctx, nn = case
+        for fam, cap in MMA_FAMILIES:
+            cfg = ours.decode_config(cap, HEADS, nn, B, ctx, sms, gluon=False)
+            for what, over in FAMILY_VARIANTS:
+                d = dict(vars(cfg), per_sm=cfg.per_sm, **over)
+                d.pop("programs")
+                yield f"{fam} {what}", d
+
     table("prefill", FOCUS_PREFILL_VARIANTS, prefill_cases, prefill_calls)
-    table("decode", FOCUS_DECODE_VARIANTS, decode_cases, decode_calls)
+    table("decode", FOCUS_DECODE_VARIANTS, decode_cases, decode_calls, family_picks)
+    if args.mma_sync and not child:
+        fams = [f"{fam} {what}" for fam, _ in MMA_FAMILIES for what, _ in FAMILY_VARIANTS]
+        lines.extend(["", "### decode on the mma.sync build, by GPU family: graph us / x our wgmma default (target "
+                      "<= 1.3x)", "", "each family's own launch-table pick (decode_config of its capability, "
+                      "programs per SM as there, this GPU's SM count), built with DISABLE_MMA_V3=1; 'runtime BS': the "
+                      "cache block size read at run time, 'const BS': compiled in (CONST_BS), 'nested': the "
+                      "per-request walk with the query hoisted (NESTED, HOIST_Q) instead of one item per "
+                      "iteration", "",
+                      "| case | our wgmma default us | hopper pick mma.sync us | " + " | ".join(fams) + " |",
+                      "|---" * (3 + len(fams)) + "|"])
+        for case in decode_cases:
+            label = f"decode B={case[0]} ctx={case[1]} next_n={case[2]}"
+            base = ours_default.get(label)
+            cells = [_fmt_us(base), _fmt_us(mma.get(label))]
+            for f in fams:
+                us = mma.get(f"{label} :: {f}")
+                cells.append(_fmt_us(us) + (f" / {us / base:.2f}x" if us and base else ""))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
 
 # ------------------------------------------------------------------------------------------------
