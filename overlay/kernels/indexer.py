@@ -648,8 +648,9 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
         block_n = tune.block_n_large if big_enough else block_n
     # The per-request walk (q hoisted, pipelined tile loop) where it fits the registers (no spills, cross-compiled)
     # and was faster (H100, the mma.sync build standing in for sm_80-sm_120; bench/RESULTS.md, stop 37): sm_90 up
-    # to 128 MMA columns, the fp8 mma.sync targets from 64 to 128 (1.1-1.2x faster; at 32 columns 3-4% slower), sm_80/86
-    # from 32 heads (1.4-1.6x; at 16 heads x 2 tokens it spills); else the flat one-item-per-iteration loop.
+    # to 128 MMA columns, the fp8 mma.sync targets from 64 to 128 (1.05-1.1x faster; at 32 columns 3-12% slower),
+    # sm_80/86 from 32 heads (1.3-1.6x at batch >= 32, 1.2x at batch 1; at 16 heads x 2 tokens it spills); else the
+    # flat one-item-per-iteration loop.
     nested = (fam == "interp" or (fam == "hopper" and t * hp <= 128) or (fam == "fp8" and 64 <= t * hp <= 128)
               or (fam == "bf16" and hp >= 32))
     # Scale prefetch with the large tile only (it loses with the small one).
