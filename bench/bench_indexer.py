@@ -533,6 +533,12 @@ def _focus_cell(call, ref_rows, rows, mask, timer, reps, full):
         return _err(e), None
 
 
+def _decode_label(case) -> str:
+    """A --focus decode case's row label (and the mma.sync child's key for it)."""
+    B, ctx, nn = case
+    return f"decode B={B} ctx={ctx} next_n={nn}"
+
+
 def run_focus(args, upstream, g, lines, timer, mma, child_times):
     """One table per kernel: rows = shapes, columns = DeepGEMM (graph, eager, launch) then every
     variant as 'graph us / speed vs DeepGEMM', then the default's eager and launch times; '!' marks
@@ -564,18 +570,14 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
             except Exception as e:  # noqa: BLE001
                 lines.append(f"| {case} | inputs failed: {_err(e)} |" + " |" * (ncols - 2))
                 continue
-            if child:
-                try:
-                    child_times[label] = rank_us(timer.measure(lambda: our_call({}), reps,
-                                                               eager=not timer.cuda, launch=False))
-                except Exception as e:  # noqa: BLE001
-                    print(f"{label}: {_err(e)}", file=sys.stderr)
-                for vname, vcfg in (child_extra(case) if child_extra else []):
+            if child:   # the default under `label`, child_extra's configs under "label :: name"
+                extra = [(f"{label} :: {n}", c) for n, c in (child_extra(case) if child_extra else [])]
+                for key, cfg in [(label, {})] + extra:
                     try:
-                        child_times[f"{label} :: {vname}"] = rank_us(timer.measure(
-                            lambda c=vcfg: our_call(c), reps, eager=not timer.cuda, launch=False))
+                        child_times[key] = rank_us(timer.measure(lambda c=cfg: our_call(c), reps,
+                                                                 eager=not timer.cuda, launch=False))
                     except Exception as e:  # noqa: BLE001
-                        print(f"{label} :: {vname}: {_err(e)}", file=sys.stderr)
+                        print(f"{key}: {_err(e)}", file=sys.stderr)
                 _empty_cache()
                 continue
             ref_rows, dg = None, None
@@ -644,7 +646,7 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
             # the default as vLLM calls it (no _config: the launch plan; a _config call is never planned)
             return ours.fp8_paged_mqa_logits(q, cache, w, cl, tables, None, ctx, False,
                                              _config=cfg or None)
-        return (f"decode B={B} ctx={ctx} next_n={nn}",
+        return (_decode_label(case),
                 lambda: upstream.decode(q, cache, w, cl, tables, meta, ctx)[:, :ctx],
                 our_call, rows, mask)
 
@@ -655,9 +657,7 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
         for fam, cap in MMA_FAMILIES:
             cfg = ours.decode_config(cap, HEADS, nn, B, ctx, sms, gluon=False)
             for what, over in FAMILY_VARIANTS:
-                d = dict(vars(cfg), per_sm=cfg.per_sm, **over)
-                d.pop("programs")
-                yield f"{fam} {what}", d
+                yield f"{fam} {what}", dict(vars(cfg), **over)
 
     table("prefill", FOCUS_PREFILL_VARIANTS, prefill_cases, prefill_calls)
     table("decode", FOCUS_DECODE_VARIANTS, decode_cases, decode_calls, family_picks)
@@ -672,7 +672,7 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
                       "| case | our wgmma default us | hopper pick mma.sync us | " + " | ".join(fams) + " |",
                       "|---" * (3 + len(fams)) + "|"])
         for case in decode_cases:
-            label = f"decode B={case[0]} ctx={case[1]} next_n={case[2]}"
+            label = _decode_label(case)
             base = ours_default.get(label)
             cells = [_fmt_us(base), _fmt_us(mma.get(label))]
             for f in fams:
@@ -832,7 +832,7 @@ def main():
         _empty_cache()
     for B, ctx, nn in decode_cases:
         if time.time() > deadline:
-            blank(f"decode B={B} ctx={ctx} next_n={nn}", "skipped: --budget-s spent")
+            blank(_decode_label((B, ctx, nn)), "skipped: --budget-s spent")
             continue
         try:
             row = run_decode(B, ctx, nn, upstream, fb_decode, timer, g, child)
@@ -840,7 +840,7 @@ def main():
             emit(row)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            blank(f"decode B={B} ctx={ctx} next_n={nn}", f"failed: {_err(e)}")
+            blank(_decode_label((B, ctx, nn)), f"failed: {_err(e)}")
         _empty_cache()
     if child:
         write_child_json(args.mma_sync_child, child_times)

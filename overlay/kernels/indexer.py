@@ -250,8 +250,8 @@ def _request_tiles(cl_ptr, b0, B, stride_cb, stride_cj, tok, tok_ok, vis_shift, 
 def _rows(bt_row, n0, rn, kv_len, block_size, BS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Cache block (int64, from the request's block-table row) and offset in it of key rows n0 + rn, n0 a multiple
     of BLOCK_N; rows past kv_len read block 0.  With the block size a constant (BS > 0) and whole tiles in one block,
-    one block-table entry per tile (a scalar).  (Tiles of whole blocks with each row's block and offset from rn alone,
-    `n0 // BS + rn // BS` and `rn % BS`, ran 28% slower at one token x 64 heads, BLOCK_N 128, on the H100: not used.)"""
+    one block-table entry per tile (a scalar); else one per key row (an entry per block for tiles of whole blocks
+    was slower: bench/RESULTS.md, stop 37)."""
     if BS > 0 and BS % BLOCK_N == 0:
         phys = tl.load(bt_row + n0 // BS, mask=n0 < kv_len, other=0).to(tl.int64)
         off = n0 % BS + rn

@@ -225,8 +225,9 @@ PAGED = [
 def test_indexer_paged(p, walk):
     """The device's own config (on sm_90: the Gluon kernel at two tokens x <= 64 heads or batch 1, else the
     per-request walk, scales prefetched for the large tile), the Triton kernel's own pick (``triton``), the sm_90
-    Gluon kernel forced at every shape it takes (4 and 2 key buffers: the ring wraps every 2 tiles; the block size read at run time, not
-    compiled in), the flat walk of the other targets, and the sm_80/86 decoder path in both walks."""
+    Gluon kernel forced at every shape it takes (4 and 2 key buffers: the ring wraps every 2 tiles; the block size
+    read at run time, not compiled in), the flat walk of the other targets, and the sm_80/86 decoder path in both
+    walks."""
     seed, next_n, H, bs, lens, two_d, mml = p
     case = C.paged_case(seed, len(lens), next_n, H, bs, lens, two_d=two_d, max_model_len=mml)
     g = case.to("cuda")

@@ -448,7 +448,7 @@ def test_gluon_decode_errors_other_than_a_build_failure_and_caller_configs_still
     (16, dict(BLOCK_N=32, SCALES_AHEAD=True)), (64, dict(BLOCK_N=32, SCALES_AHEAD=True))])
 def test_paged_block_size_compiled_in_matches_reference(block_size, cfg):
     """CONST_BS (the block size a constant of the kernel): tiles smaller than a cache block (one block-table entry per
-    tile), equal to it and spanning several blocks (an entry per block), both walks, the scales read a tile ahead;
+    tile), equal to it and spanning several blocks (an entry per key row), both walks, the scales read a tile ahead;
     the same logits as the reference."""
     lens = [70, 0, 1, 64, 129, 33]
     case = C.paged_case(90 + block_size, len(lens), 2, 8, block_size, lens)
