@@ -105,22 +105,23 @@ def test_sparse_mla_every_sm90_tile(i):
         C.check_mla(out, lse, case.ref(), _mla_tol(fmt), case.what)
 
 
-GLUON_FP8 = [t for t in dict.fromkeys(SM.candidate_tiles((9, 0), "fp8_ds_mla") + SM.FOCUS_TILES["fp8_ds_mla"])
-             if SM.SparseMLAConfig.from_tile(t).gluon]
+GLUON_TILES = [(f, t) for f in SM.KV_FORMATS for t in dict.fromkeys(SM.candidate_tiles((9, 0), f) + SM.FOCUS_TILES[f])
+               if SM.SparseMLAConfig.from_tile(t).gluon]
 
 
-@pytest.mark.parametrize("tile", GLUON_FP8, ids=lambda t: str(SM.SparseMLAConfig.from_tile(t)))
-def test_sparse_mla_gluon_fp8_long_lists(tile):
-    """The fp8_ds_mla Gluon tiles over many blocks (their gather buffers wrap several times, block i + 1 is
-    dequantised while block i's P.V runs): top-k 2048 with invalid and repeated slots, unsplit and in 5 splits,
-    and a batch whose every index is invalid (no valid key: zeros, lse -inf)."""
-    case = C.mla_case(450, "fp8_ds_mla", 64, 2048, 5, 64, num_blocks=40)
+@pytest.mark.parametrize("fmt,tile", GLUON_TILES, ids=[f"{f}-{SM.SparseMLAConfig.from_tile(t)}" for f, t in GLUON_TILES])
+def test_sparse_mla_gluon_long_lists(fmt, tile):
+    """The Gluon tiles over many blocks (their gather buffers wrap several times; bf16: block i + NUM_BUF is
+    gathered into block i's buffer while block i's P.V finishes; fp8_ds_mla: block i + 1 is dequantised while block
+    i's P.V runs): top-k 2048 with invalid and repeated slots, unsplit and in 5 splits, and a batch whose every
+    index is invalid (no valid key: zeros, lse -inf)."""
+    case = C.mla_case(450, fmt, 64, 2048, 5, 64, num_blocks=40)
     for splits in (1, 5):
         config = SM.SparseMLAConfig.from_tile(tile, splits)
-        case.what = f"seed=450 fp8_ds_mla config={config}"
+        case.what = f"seed=450 {fmt} config={config}"
         out, lse = _run_mla(case.to("cuda"), config=config)
-        C.check_mla(out, lse, case.ref(), C.MLA_GPU_FP8, case.what)
-    empty = C.MlaCase(case.q, case.cache, torch.full_like(case.idx, -1), case.scale, "fp8_ds_mla", "all invalid")
+        C.check_mla(out, lse, case.ref(), _mla_tol(fmt), case.what)
+    empty = C.MlaCase(case.q, case.cache, torch.full_like(case.idx, -1), case.scale, fmt, "all invalid")
     out, lse = _run_mla(empty.to("cuda"), config=SM.SparseMLAConfig.from_tile(tile, 2))
     assert torch.all(out == 0) and torch.all(torch.isneginf(lse)), (out.abs().max(), lse)
 

@@ -24,7 +24,7 @@ CHECKS = HERE / "gpu_checks.py"
 GROUPS = [
     "test_sparse_mla_heuristic_launch",
     "test_sparse_mla_every_sm90_tile",
-    "test_sparse_mla_gluon_fp8_long_lists",
+    "test_sparse_mla_gluon_long_lists",
     "test_sparse_mla_fp8_bit_path_on_gpu",
     "test_gpu_tolerance_catches_a_dropped_key",
     "test_gpu_tolerance_catches_a_mis_scaled_fp8_tile",
