@@ -109,12 +109,13 @@ GLUON_TILES = [(f, t) for f in SM.KV_FORMATS for t in dict.fromkeys(SM.candidate
                if SM.SparseMLAConfig.from_tile(t).gluon]
 
 
-@pytest.mark.parametrize("fmt,tile", GLUON_TILES, ids=[f"{f}-{SM.SparseMLAConfig.from_tile(t)}" for f, t in GLUON_TILES])
+@pytest.mark.parametrize("fmt,tile", GLUON_TILES,
+                         ids=[f"{f}-{SM.SparseMLAConfig.from_tile(t)}" for f, t in GLUON_TILES])
 def test_sparse_mla_gluon_long_lists(fmt, tile):
-    """The Gluon tiles over many blocks (their gather buffers wrap several times; bf16: block i + NUM_BUF is
-    gathered into block i's buffer while block i's P.V finishes; fp8_ds_mla: block i + 1 is dequantised while block
-    i's P.V runs): top-k 2048 with invalid and repeated slots, unsplit and in 5 splits, and a batch whose every
-    index is invalid (no valid key: zeros, lse -inf)."""
+    """The Gluon tiles over many blocks (their gather buffers wrap several times; bf16: block i + NUM_BUF - 1 is
+    gathered while block i computes; fp8_ds_mla: block i + 1 is dequantised while block i's P.V runs): top-k 2048
+    with invalid and repeated slots, unsplit and in 5 splits, and a batch whose every index is invalid (no valid
+    key: zeros, lse -inf)."""
     case = C.mla_case(450, fmt, 64, 2048, 5, 64, num_blocks=40)
     for splits in (1, 5):
         config = SM.SparseMLAConfig.from_tile(tile, splits)
