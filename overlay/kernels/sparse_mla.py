@@ -69,9 +69,11 @@ from .launch import build_failure_text as _build_failure_text
 from .launch import GLUON_ENV
 from .launch import gluon_wanted as _gluon_wanted
 from .sparse_mla_sm90 import GLUON as _GLUON
-from .sparse_mla_sm90 import _sparse_mla_fwd_sm90_kernel
+from .sparse_mla_sm90 import WS as _WS
+from .sparse_mla_sm90 import _sparse_mla_fwd_sm90_kernel, _sparse_mla_fwd_sm90_ws_kernel
 from .sparse_mla_sm90 import SHARED_LIMIT as _SM90_SHARED
 from .sparse_mla_sm90 import shared_bytes as _gluon_shared_bytes
+from .sparse_mla_sm90 import ws_shared_bytes as _ws_shared_bytes
 
 __all__ = [
     "SparseMLAConfig",
@@ -413,6 +415,9 @@ LAUNCHERS = [_fwd_launch, _combine_launch, _slots_launch]
 _gluon_launch = _Launcher(_sparse_mla_fwd_sm90_kernel) if _GLUON else None
 if _gluon_launch is not None:
     LAUNCHERS.append(_gluon_launch)
+_gluon_ws_launch = _Launcher(_sparse_mla_fwd_sm90_ws_kernel) if _WS else None
+if _gluon_ws_launch is not None:
+    LAUNCHERS.append(_gluon_ws_launch)
 
 
 @dataclass(frozen=True)
@@ -428,8 +433,10 @@ class SparseMLAConfig:
         (two programs per row: half the fp32 accumulator in registers, twice the score work).
     fp8_post_scale: fp8_ds_mla only: apply the per-row tile scales to the scores and to P after/before
         the dots instead of dequantising the [BLOCK_N, 512] tile (no effect on bf16).
-    gluon: sm_90 only, bf16 cache, block_h 64, 8 warps, dv_split 1: the Gluon kernel of sparse_mla_sm90.py
-        (explicit warpgroup layouts: no duplicated score work); num_stages is its number of gather buffers.
+    gluon: sm_90 only, block_h 64, dv_split 1: a Gluon kernel of sparse_mla_sm90.py. 8 warps: the two-warpgroup
+        tile (bf16 or fp8_ds_mla; explicit warpgroup layouts, no duplicated score work), num_stages its number of
+        gather buffers. 4 warps (``ws``): the warp-specialised tile (bf16 only, block_n 64, num_stages 2: its two
+        key buffers; 4 warps gather and two more warpgroups of 4 compute; its top-k splits are whole pairs of blocks).
     String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f][g],
         e.g. 'h64n64s1w8p3d2' (dv_split=2), 'h16n32s8w4p2f' (fp8_post_scale) or 'h64n64s1w8p2g' (gluon).
     Tuple form (``tile``, :func:`candidate_tiles`): everything but num_splits, in field order.
@@ -443,6 +450,17 @@ class SparseMLAConfig:
     dv_split: int = 1
     fp8_post_scale: bool = False
     gluon: bool = False
+
+    @property
+    def ws(self) -> bool:
+        """The warp-specialised sm_90 Gluon tile (gluon with 4 launch warps)."""
+        return self.gluon and self.num_warps == 4
+
+    @property
+    def split_unit(self) -> int:
+        """Top-k entries a split's length is a multiple of: block_n, or a pair of blocks for the ws tile (one per
+        math warpgroup)."""
+        return 2 * self.block_n if self.ws else self.block_n
 
     @property
     def tile(self) -> tuple[int, int, int, int, int, bool, bool]:
@@ -591,6 +609,15 @@ _GLUON_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
                                                                 gluon=True)),
 }
 GLUON_MIN_ROWS: dict[str, int] = {"bf16": 5, "fp8_ds_mla": 10}
+# sm_90, bf16, 64-head bucket, from GLUON_WS_MIN_ROWS[format] rows: the warp-specialised Gluon tile (sparse_mla_sm90.py,
+# 4 launch warps: a producer warpgroup and two math warpgroups; Triton 3.6 on). On the H100 (bench/RESULTS.md,
+# 2026-12-06) it took 7-20% off the 8-warp tile's time at T=128 (64 and 128 heads) and at T=4096; at T=32 x 64 heads
+# (4 splits) the two tied.
+_GLUON_WS_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
+    ("sm90", "bf16", 64): SparseMLATuning(SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2,
+                                                          gluon=True)),
+}
+GLUON_WS_MIN_ROWS: dict[str, int] = {"bf16": 24}
 # The latency tile (16 heads) at 64+ heads runs ceil(H / 16) head groups over the same rows: for fp8_ds_mla each
 # group gathers and dequantises every row again. On the H200 (bench/small_batch.py, 2026-12-05, backend calls)
 # it took 27.2 / 34.9 us at 3 / 4 rows (64 heads) and 34.0 at 4 (128 heads), where the 64-head Triton tile took
@@ -621,7 +648,9 @@ FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
              # sm_90 Gluon kernel (sparse_mla_sm90.py): the score wgmma split over the two warpgroups by keys
              SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon=True),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, gluon=True),
-             SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, gluon=True)),
+             SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, gluon=True),
+             # the warp-specialised Gluon tile (a producer and two math warpgroups; bf16 only)
+             SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2, gluon=True)),
     # the Gluon tile on an fp8_ds_mla cache (block i + 1 dequantised while block i's P.V runs; num_stages = raw
     # gather buffers: 2 fit at block_n 64, up to 5 at 32)
     "fp8_ds_mla": (SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon=True),
@@ -660,7 +689,7 @@ def candidate_tiles(capability: tuple[int, int], kv_format: str) -> list[tuple]:
     :func:`choose_config` can return for a target, with or without Gluon (SparseMLAConfig.from_tile turns
     one into a config)."""
     fam = _family(capability)
-    tiles = {e.config.tile for table in (_THROUGHPUT_TUNING, _GLUON_TUNING)
+    tiles = {e.config.tile for table in (_THROUGHPUT_TUNING, _GLUON_TUNING, _GLUON_WS_TUNING)
              for (f, fmt, _), e in table.items() if f == fam and fmt == kv_format}
     tiles.add(_LATENCY_TUNING[(fam, kv_format)].config.tile)
     return sorted(tiles)
@@ -674,7 +703,8 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
     cached, the result is frozen).
 
     The head bucket's Gluon tile (_GLUON_TUNING) where there is one, ``gluon`` (default GLUON_DEFAULT) allows
-    it and T x ceil(H / 64) >= GLUON_MIN_ROWS[kv_format]. Otherwise, in the latency regime (T x ceil(H / 16)
+    it and T x ceil(H / 64) >= GLUON_MIN_ROWS[kv_format]; from GLUON_WS_MIN_ROWS[kv_format] rows its
+    warp-specialised tile (_GLUON_WS_TUNING) where this Triton builds it. Otherwise, in the latency regime (T x ceil(H / 16)
     <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16; at 64+ heads also at most
     _LATENCY_MAX_ROWS64[(family, kv_format)] (token, 64-head) rows where that is set): the 16-head latency tile;
     else the head bucket's throughput tile. Then the top-k list is split so
@@ -687,7 +717,8 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
     rows64 = rows_of_64_heads(num_tokens, num_heads)
     latency_cap = _LATENCY_MAX_ROWS64.get((fam, kv_format)) if key[2] == 64 else None
     if gluon and key in _GLUON_TUNING and rows64 >= GLUON_MIN_ROWS[kv_format]:
-        entry = _GLUON_TUNING[key]
+        ws = _WS and key in _GLUON_WS_TUNING and rows64 >= GLUON_WS_MIN_ROWS[kv_format]
+        entry = (_GLUON_WS_TUNING if ws else _GLUON_TUNING)[key]
     elif latency_regime(num_tokens, num_heads, sm_count) and (latency_cap is None or rows64 <= latency_cap):
         entry = _LATENCY_TUNING[(fam, kv_format)]
     else:
@@ -715,10 +746,11 @@ def split_count(num_tokens: int, num_heads: int, topk: int, tile: "tuple | Spars
     if not isinstance(tile, SparseMLAConfig):
         tile = SparseMLAConfig.from_tile(tile)
     rows = max(1, num_tokens) * triton.cdiv(num_heads, tile.block_h) * tile.dv_split
-    n_tiles = triton.cdiv(max(topk, 1), tile.block_n)
+    unit = tile.split_unit
+    n_tiles = triton.cdiv(max(topk, 1), unit)
     splits = max(1, min(n_tiles, (programs_per_sm * sm_count) // rows))
     # Re-derive from the split length so that no split is empty.
-    split_len = triton.cdiv(triton.cdiv(max(topk, 1), splits), tile.block_n) * tile.block_n
+    split_len = triton.cdiv(triton.cdiv(max(topk, 1), splits), unit) * unit
     return triton.cdiv(max(topk, 1), split_len)
 
 
@@ -793,8 +825,18 @@ def _check_gluon(config: SparseMLAConfig, kv_format: str, capability: tuple[int,
         why = f"it is an sm_90 kernel (this GPU is sm_{capability[0]}{capability[1]})"
     elif kv_format not in KV_FORMATS:
         why = f"it reads a bf16 or fp8_ds_mla cache, not {kv_format}"
+    elif config.ws:
+        if not _WS:
+            why = f"Triton {triton.__version__}'s Gluon has no warp_specialize([(function, args), ...]) (3.6 on)"
+        elif kv_format != "bf16":
+            why = "the warp-specialised tile (4 warps) reads bf16 caches"
+        elif (config.block_h, config.block_n, config.num_stages, config.dv_split, config.fp8_post_scale) != (
+                64, 64, 2, 1, False):
+            why = "the warp-specialised tile (4 warps) is h64n64 with 2 buffers (p2), without d2 or f"
+        elif _ws_shared_bytes() > _SM90_SHARED:  # pragma: no cover - a constant; the cross-compile test checks it
+            why = f"it needs {_ws_shared_bytes()} B of shared memory, more than sm_90's {_SM90_SHARED}"
     elif (config.block_h, config.num_warps, config.dv_split, config.fp8_post_scale) != (64, 8, 1, False):
-        why = "it is the 64-head, 8-warp tile without d2 or f"
+        why = "it is the 64-head tile of 8 warps (or 4: the warp-specialised one) without d2 or f"
     elif config.block_n not in (32, 64) or config.num_stages < 2:
         why = "block_n must be 32 or 64 and num_stages (gather buffers) >= 2"
     elif (need := _gluon_shared_bytes(kv_format == "fp8_ds_mla", config.block_n, config.num_stages)) > _SM90_SHARED:
@@ -1062,7 +1104,7 @@ class _Plan:
         bh, bn = config.block_h, config.block_n
         if config.gluon:
             _check_gluon(config, kv_format, capability)
-            self.kept = (_Kept(_gluon_launch),) + self.kept[1:]
+            self.kept = (_Kept(_gluon_ws_launch if config.ws else _gluon_launch),) + self.kept[1:]
         # request-local positions: the attention kernel reads the block table itself (inline) in the latency regime
         # for tiles of up to INLINE_PAGED_MAX_BLOCK_H heads; otherwise one small launch converts them to slot ids first
         self.inline = (paged and INLINE_PAGED and bh <= INLINE_PAGED_MAX_BLOCK_H and not config.gluon
@@ -1079,8 +1121,9 @@ class _Plan:
                              "powers of two")
         if config.dv_split not in (1, 2):
             raise ValueError(f"sparse_mla_attention: bad config {config}: dv_split must be 1 or 2")
-        num_splits = max(1, min(config.num_splits, _cdiv(topk, bn)))
-        split_len = _cdiv(_cdiv(topk, num_splits), bn) * bn
+        unit = config.split_unit
+        num_splits = max(1, min(config.num_splits, _cdiv(topk, unit)))
+        split_len = _cdiv(_cdiv(topk, num_splits), unit) * unit
         num_splits = _cdiv(topk, split_len)
         num_head_groups = _cdiv(H, bh)
         fp8_native = (capability >= (8, 9)) if fp8_native is None else bool(fp8_native)

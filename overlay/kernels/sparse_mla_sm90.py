@@ -23,7 +23,9 @@ against float64 references, bench/bench_sparse_mla.py's reference check) and the
 under every Triton the tests meet (tests/kernels/test_sparse_mla_sm90.py: 3.5.1, 3.6, and the newest vLLM venv's).
 ``GLUON`` is False where this Triton has no Gluon for Hopper. Where it runs: sparse_mla.py's _GLUON_TUNING (sm_90,
 bf16 and fp8_ds_mla caches, 64-head bucket, batches of at least GLUON_MIN_ROWS[format] rows; DSA_OVERLAY_GLUON=0
-turns it off).
+turns it off). A second kernel here, ``_sparse_mla_fwd_sm90_ws_kernel``, is the warp-specialised tile for bf16 caches
+(FlashMLA's sm_90 schedule: a producer warpgroup and two math warpgroups, one 64-key block each; ``WS`` says whether
+this Triton builds it), picked from GLUON_WS_MIN_ROWS rows (_GLUON_WS_TUNING).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ try:  # Gluon arrived in Triton 3.5; its Hopper API (warpgroup_mma, async_copy) 
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     # cp.async gather into shared memory: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7
     # CTA-wide barrier (bar.sync): gl.thread_barrier up to Triton 3.6, gl.barrier from 3.7
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -41,6 +44,9 @@ except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
 GLUON = gluon is not None
+# The warp-specialised tile needs warp_specialize([(function, args), ...], ...) (Triton 3.6 on); Triton 3.5 has another
+# signature for it, and there the 8-warp tile stays the only sm_90 one.
+WS = GLUON and "functions_and_args" in __import__("inspect").signature(gl.warp_specialize).parameters
 
 
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
@@ -55,6 +61,16 @@ def shared_bytes(is_fp8: bool, block_n: int, num_buf: int) -> int:
     rows = num_buf * block_n * ((512 + 128) if is_fp8 else 576 * 2)
     operand = block_n * 512 * 2 if is_fp8 else 0
     return q + p + rows + operand + SCRATCH_BYTES
+
+
+WS_SCRATCH_BYTES = 328  # the compiler's own scratch in the warp-specialised tile (measured: sm_90 builds, Triton 3.6)
+
+
+def ws_shared_bytes() -> int:
+    """Shared memory of one program of the warp-specialised tile: Q [64, 576] and two 64-row key buffers [64, 576] in
+    bf16, P1 [64, 64] in bf16 (P0 lives in buffer 0's rope columns), four [64] float32 row vectors (maxima and sums
+    crossing the math warpgroups), fourteen mbarriers, and the compiler's scratch."""
+    return 3 * 64 * 576 * 2 + 64 * 64 * 2 + 4 * 64 * 4 + 14 * 8 + WS_SCRATCH_BYTES
 
 
 if GLUON:
@@ -390,5 +406,315 @@ if GLUON:
             gl.store(o + 256, (accC * inv_o).to(oty), mask=hmask_o)
             gl.store(o + 384, (accD * inv_o).to(oty), mask=hmask_o)
             gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_hl.to(gl.int64) * stride_lh, lse, mask=offs_hl < H)
+
+    # ---- the warp-specialised tile (bf16 caches; FlashMLA's sm_90 schedule) ------------------------------------
+    # Three warpgroups (gl.warp_specialize): a producer (the default partition, 4 warps, the registers left over)
+    # gathers with cp.async into two 64-key buffers, each in two halves (L: value columns 0-255; R: 256-511 and the
+    # rope columns) that it refills as soon as their readers are done (mbarriers: ready / free per half); math
+    # warpgroup WG0 scores the even key blocks, WG1 the odd ones, each over all 64 heads (m64n64 score wgmmas: half
+    # the shared-memory reads of the 8-warp tile's m64n32 ones); WG0 keeps output columns [0, 256), WG1 [256, 512).
+    # Per pair of blocks: WG0 posts its row max and starts its own P.V at once (P from registers); WG1 makes the max
+    # final; WG0 rescales its P to it and hands it over in shared memory; each multiplies the other's P with its own
+    # columns of the other's block. 232 registers per math warpgroup, no spill (tests/kernels/test_sparse_mla_sm90.py).
+    WS_MATH_REGS: gl.constexpr = gl.constexpr(232)
+
+    @gluon.jit
+    def _ws_scores(qA_s, qB_s, qC_s, qD_s, qr_s, kA, kB, kC, kD, kr, rdy_first, rdy_second, ph, S_L: gl.constexpr,
+                   L_FIRST: gl.constexpr):
+        """S = Q K^T of one buffered block, the half that lands first issued first (L: columns 0-255)."""
+        zero = gl.full([64, 64], 0.0, gl.float32, layout=S_L)
+        mbarrier.wait(rdy_first, ph)
+        if L_FIRST:
+            s = warpgroup_mma(qA_s, kA.permute((1, 0)), zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(qB_s, kB.permute((1, 0)), s, is_async=True)
+            mbarrier.wait(rdy_second, ph)
+            s = warpgroup_mma(qC_s, kC.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qD_s, kD.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qr_s, kr.permute((1, 0)), s, is_async=True)
+        else:
+            s = warpgroup_mma(qC_s, kC.permute((1, 0)), zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(qD_s, kD.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qr_s, kr.permute((1, 0)), s, is_async=True)
+            mbarrier.wait(rdy_second, ph)
+            s = warpgroup_mma(qA_s, kA.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qB_s, kB.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _ws_store(acc0, acc1, col0, l_tot, m_run, WG: gl.constexpr, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp,
+                  H, num_splits, stride_ot, stride_oh, stride_lt, stride_lh, S_L: gl.constexpr, O_L: gl.constexpr):
+        """Write this warpgroup's 256 output columns [col0, col0 + 256) (and, WG1, the lse): to the split partials
+        where num_splits > 1, else to out / lse. (A flag, not a constexpr: a partition gets its arguments as values,
+        and a branch on one around these stores does not lower; the stores are predicated instead.)"""
+        has = l_tot > 0.0
+        inv_l = gl.where(has, 1.0 / gl.where(has, l_tot, 1.0), 0.0)
+        inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]
+        offs_ho = hg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+        d_o = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))[None, :]
+        offs_hl = hg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
+        lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        split = num_splits > 1
+        hmask_p = ((offs_ho < H) & split)[:, None]
+        hmask_o = ((offs_ho < H) & (not split))[:, None]
+        prow = (t.to(gl.int64) * H + offs_ho) * num_splits + sp
+        po = po_ptr + prow[:, None] * 512 + d_o
+        gl.store(po, acc0 * inv_o, mask=hmask_p)
+        gl.store(po + 128, acc1 * inv_o, mask=hmask_p)
+        o = out_ptr + t.to(gl.int64) * stride_ot + offs_ho.to(gl.int64)[:, None] * stride_oh + d_o
+        oty = out_ptr.dtype.element_ty
+        gl.store(o, (acc0 * inv_o).to(oty), mask=hmask_o)
+        gl.store(o + 128, (acc1 * inv_o).to(oty), mask=hmask_o)
+        if WG == 1:
+            gl.store(plse_ptr + (t.to(gl.int64) * H + offs_hl) * num_splits + sp, lse, mask=(offs_hl < H) & split)
+            gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_hl.to(gl.int64) * stride_lh, lse,
+                     mask=(offs_hl < H) & (not split))
+
+    @gluon.jit
+    def _ws_math(WG: gl.constexpr, qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, p1_s, m0_s, m1_s, l0_s, l1_s, bars,
+                 idx_row, start, end, num_slots, n_pairs, sm_scale_log2,
+                 out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                 stride_ot, stride_oh, stride_lt, stride_lh):
+        """Math warpgroup WG (0: even blocks, output columns 0-255; 1: odd blocks, columns 256-511)."""
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 128, 16])
+        PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        m_run = gl.full([64], -1.0e30, gl.float32, layout=ROW)
+        l_i = gl.full([64], 0.0, gl.float32, layout=ROW)
+        acc0 = gl.full([64, 128], 0.0, gl.float32, layout=O_L)
+        acc1 = gl.full([64, 128], 0.0, gl.float32, layout=O_L)
+        if WG == 0:  # my values: chunks A, B (columns 0-255)
+            v0_s = kA_s
+            v1_s = kB_s
+        else:
+            v0_s = kC_s
+            v1_s = kD_s
+        for j in range(n_pairs):
+            ph = j & 1
+            n0 = start + (2 * j + WG) * 64
+            # always 0, but not to the compiler: buffer addresses are then formed per iteration instead of being
+            # hoisted out of the loop (72 hoisted 64-bit wgmma descriptors spill)
+            dyn = j >> 30
+            b0 = dyn
+            b1 = dyn + 1
+            qA = qN_s.index(dyn)
+            qB = qN_s.index(dyn + 1)
+            qC = qN_s.index(dyn + 2)
+            qD = qN_s.index(dyn + 3)
+            if WG == 0:  # buffer 0, L half first
+                s = _ws_scores(qA, qB, qC, qD, qR_s.index(dyn), kA_s.index(b0), kB_s.index(b0), kC_s.index(b0),
+                               kD_s.index(b0), kr_s.index(b0), bars.index(0), bars.index(1), ph, S_L, True)
+            else:  # buffer 1, R half first (the L half is freed last, by WG0's P.V on it)
+                s = _ws_scores(qA, qB, qC, qD, qR_s.index(dyn), kA_s.index(b1), kB_s.index(b1), kC_s.index(b1),
+                               kD_s.index(b1), kr_s.index(b1), bars.index(3), bars.index(2), ph, S_L, False)
+            _, valid = _slots(idx_row, n0, end, num_slots, 64, gl.SliceLayout(0, S_L))
+            s = warpgroup_mma_wait(0, deps=[s])
+            s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+            if WG == 0:
+                # WG0: its max (over what came before and its block) first; its own P.V starts at once; P0 is
+                # rescaled to WG1's final max before it is handed over (buffer 0's L half frees early)
+                m_new = gl.maximum(m_run, gl.max(s, 1))
+                m0_s.store(m_new)
+                mbarrier.arrive(bars.index(8))
+            else:
+                mx = gl.max(s, 1)
+                mbarrier.wait(bars.index(8), ph)
+                m_new = gl.maximum(m0_s.load(ROW), mx)
+                m1_s.store(m_new)
+                mbarrier.arrive(bars.index(9))
+            p = gl.exp2(s - m_new[:, None])
+            alpha = gl.exp2(m_run - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            pb = p.to(gl.bfloat16)
+            pa = gl.convert_layout(pb, PA_L)
+            acc0 = warpgroup_mma(pa, v0_s.index(dyn + WG), acc0 * alpha_o, is_async=True)
+            acc1 = warpgroup_mma(pa, v1_s.index(dyn + WG), acc1 * alpha_o, is_async=True)
+            if WG == 0:
+                mbarrier.wait(bars.index(9), ph)
+                m_fin = m1_s.load(ROW)
+                beta = gl.exp2(m_new - m_fin)
+                kr_s.index(b0).store((pb.to(gl.float32) * beta[:, None]).to(gl.bfloat16))
+                fence_async_shared()
+                mbarrier.arrive(bars.index(10))
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                mbarrier.arrive(bars.index(4))  # buffer 0, L half: my scores and my P.V are done with it
+                l_i = l_i * beta
+                beta_o = gl.convert_layout(beta, gl.SliceLayout(1, O_L))[:, None]
+                acc0 = acc0 * beta_o
+                acc1 = acc1 * beta_o
+                m_run = m_fin
+                mbarrier.wait(bars.index(11), ph)
+                acc0 = warpgroup_mma(p1_s, v0_s.index(b1), acc0, is_async=True)
+                acc1 = warpgroup_mma(p1_s, v1_s.index(b1), acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                mbarrier.arrive(bars.index(6))  # buffer 1, L half: the other's block, my columns
+            else:
+                m_run = m_new
+                p1_s.store(pb)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(11))
+                mbarrier.wait(bars.index(10), ph)
+                acc0 = warpgroup_mma(kr_s.index(b0), v0_s.index(b0), acc0, is_async=True)
+                acc1 = warpgroup_mma(kr_s.index(b0), v1_s.index(b0), acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(2, deps=[acc0, acc1])
+                mbarrier.arrive(bars.index(7))  # buffer 1, R half
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                mbarrier.arrive(bars.index(5))  # buffer 0, R half (and P0)
+        # row sums: each warpgroup has its own blocks'; add the other's
+        if WG == 0:
+            l0_s.store(l_i)
+            mbarrier.arrive(bars.index(12))
+            mbarrier.wait(bars.index(13), 0)
+            l_tot = l_i + l1_s.load(ROW)
+        else:
+            l1_s.store(l_i)
+            mbarrier.arrive(bars.index(13))
+            mbarrier.wait(bars.index(12), 0)
+            l_tot = l_i + l0_s.load(ROW)
+        _ws_store(acc0, acc1, WG * 256, l_tot, m_run, WG, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H,
+                  num_splits, stride_ot, stride_oh, stride_lt, stride_lh, S_L, O_L)
+
+    @gluon.jit
+    def _ws_math0(qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, p1_s, m0_s, m1_s, l0_s, l1_s, bars, idx_row, start, end,
+                  num_slots, n_pairs, sm_scale_log2, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                  stride_ot, stride_oh, stride_lt, stride_lh):
+        _ws_math(0, qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, p1_s, m0_s, m1_s, l0_s, l1_s, bars, idx_row, start, end,
+                 num_slots, n_pairs, sm_scale_log2, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                 stride_ot, stride_oh, stride_lt, stride_lh)
+
+    @gluon.jit
+    def _ws_math1(qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, p1_s, m0_s, m1_s, l0_s, l1_s, bars, idx_row, start, end,
+                  num_slots, n_pairs, sm_scale_log2, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                  stride_ot, stride_oh, stride_lt, stride_lh):
+        _ws_math(1, qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, p1_s, m0_s, m1_s, l0_s, l1_s, bars, idx_row, start, end,
+                 num_slots, n_pairs, sm_scale_log2, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                 stride_ot, stride_oh, stride_lt, stride_lh)
+
+    @gluon.jit
+    def _ws_gather_half(kv_ptr, row, valid, k0, k1, k2, rdy, LOWER: gl.constexpr, L: gl.constexpr):
+        """cp.async one half of a block's rows (LOWER: columns 0-255 into k0, k1; else 256-511 into k0, k1 and the
+        rope columns into k2), then let the mbarrier ``rdy`` see them land (every producer thread arrives)."""
+        d = gl.arange(0, 128, layout=gl.SliceLayout(0, L))
+        base = kv_ptr + row[:, None]
+        m = valid[:, None]
+        if LOWER:
+            _cp_async(k0, base + d[None, :], mask=m)
+            _cp_async(k1, base + (128 + d[None, :]), mask=m)
+        else:
+            r = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+            _cp_async(k0, base + (256 + d[None, :]), mask=m)
+            _cp_async(k1, base + (384 + d[None, :]), mask=m)
+            _cp_async(k2, base + (512 + r[None, :]), mask=m)
+        async_copy.mbarrier_arrive(rdy, increment_count=False)
+
+    @gluon.jit
+    def _ws_producer(kv_ptr, idx_row, start, end, num_slots, block_size, stride_kvb, stride_kvt, n_pairs,
+                     kA_s, kB_s, kC_s, kD_s, kr_s, bars):
+        """The gathers: per pair of blocks, buffer 0's L half, buffer 1's R half, buffer 0's R, buffer 1's L (the
+        order their readers free them in), each after its free mbarrier (parity 1 first: free from the start)."""
+        LP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        for j in range(n_pairs):
+            ph = (j & 1) ^ 1
+            n0 = start + 2 * j * 64
+            row0, v0 = _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, 64, LP)
+            row1, v1 = _rows(idx_row, n0 + 64, end, num_slots, block_size, stride_kvb, stride_kvt, 64, LP)
+            mbarrier.wait(bars.index(4), ph)
+            _ws_gather_half(kv_ptr, row0, v0, kA_s.index(0), kB_s.index(0), kr_s.index(0), bars.index(0), True, LP)
+            mbarrier.wait(bars.index(7), ph)
+            _ws_gather_half(kv_ptr, row1, v1, kC_s.index(1), kD_s.index(1), kr_s.index(1), bars.index(3), False, LP)
+            mbarrier.wait(bars.index(5), ph)
+            _ws_gather_half(kv_ptr, row0, v0, kC_s.index(0), kD_s.index(0), kr_s.index(0), bars.index(1), False, LP)
+            mbarrier.wait(bars.index(6), ph)
+            _ws_gather_half(kv_ptr, row1, v1, kA_s.index(1), kB_s.index(1), kr_s.index(1), bars.index(2), True, LP)
+
+    @gluon.jit
+    def _sparse_mla_fwd_sm90_ws_kernel(
+        q_ptr, qr_ptr, kv_ptr, idx_ptr, req_ptr, bt_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
+        H, topk, num_slots, block_size, split_len, num_head_groups, num_splits, max_blocks,
+        stride_qt, stride_qh, stride_rt, stride_rh, rope_off,
+        stride_kvb, stride_kvt,
+        stride_it, stride_btr,
+        stride_ot, stride_oh, stride_lt, stride_lh,
+        sm_scale_log2,
+        IS_FP8: gl.constexpr, FP8_NATIVE: gl.constexpr, SPLIT: gl.constexpr, DOT_F32: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DV_SPLIT: gl.constexpr = 1, FP8_POST: gl.constexpr = False,
+        PAGED: gl.constexpr = False, SKIP_TAIL: gl.constexpr = True, NUM_BUF: gl.constexpr = 2,
+        P_SWIZZLE: gl.constexpr = 128,
+    ):
+        gl.static_assert(not IS_FP8, "the warp-specialised sm_90 kernel reads bf16 caches")
+        gl.static_assert(not PAGED, "the sm_90 Gluon kernel reads slot ids")
+        gl.static_assert(DV_SPLIT == 1, "the sm_90 Gluon kernel has no dv_split")
+        gl.static_assert(BLOCK_H == 64 and BLOCK_N == 64, "the warp-specialised kernel is a 64-head x 64-key tile")
+        gl.static_assert(NUM_BUF == 2, "two key buffers (one per math warpgroup)")
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        V1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+        pid = gl.program_id(0)
+        hg = pid % num_head_groups
+        rest = pid // num_head_groups
+        sp = rest % num_splits
+        t = rest // num_splits
+
+        offs_h = hg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LD))
+        hmask = offs_h < H
+        d = gl.arange(0, 128, layout=gl.SliceLayout(0, LD))
+        r = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
+        q_row = q_ptr + t.to(gl.int64) * stride_qt + offs_h.to(gl.int64) * stride_qh
+        qr_row = qr_ptr + t.to(gl.int64) * stride_rt + offs_h.to(gl.int64) * stride_rh + rope_off
+        # Q as [4, 64, 128] + [1, 64, 64] so that the loop can index it (see _ws_math's dyn)
+        qN_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, 128], SH)
+        for c in gl.static_range(4):
+            qN_s.index(c).store(gl.load(q_row[:, None] + (c * 128 + d[None, :]), mask=hmask[:, None], other=0.0))
+        qR_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH)
+        qR_s.index(0).store(gl.load(qr_row[:, None] + r[None, :], mask=hmask[:, None], other=0.0))
+        kA_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH)
+        kB_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH)
+        kC_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH)
+        kD_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH)
+        kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH)
+        # P0 (WG0's block, read by WG1's P.V) lives in buffer 0's rope columns: only WG0's scores read those, and
+        # the producer refills them after WG1's P.V is done (FlashMLA does the same); P1 has its own buffer
+        p1_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SH)
+        m0_s = gl.allocate_shared_memory(gl.float32, [64], V1)
+        m1_s = gl.allocate_shared_memory(gl.float32, [64], V1)
+        l0_s = gl.allocate_shared_memory(gl.float32, [64], V1)
+        l1_s = gl.allocate_shared_memory(gl.float32, [64], V1)
+        # 0-3: ready (buffer 0 L, 0 R, 1 L, 1 R; every producer thread arrives), 4-7: free (same order),
+        # 8/9: WG0's max / the final max, 10/11: P0 / P1 in shared memory, 12/13: row sums
+        bars = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(bars.index(i), count=128)
+        for i in gl.static_range(4, 14):
+            mbarrier.init(bars.index(i), count=1)
+
+        start = sp * split_len
+        end = gl.minimum(start + split_len, topk)
+        idx_row = idx_ptr + t.to(gl.int64) * stride_it
+        n_blocks = gl.cdiv(end - start, 64)
+        if SKIP_TAIL:
+            scan = gl.arange(0, 1024, layout=gl.BlockedLayout([8], [32], [4], [0]))
+            last = start - 1
+            for i0 in range(start, end, 1024):
+                offs = i0 + scan
+                inside = offs < end
+                slot = gl.load(idx_row + offs, mask=inside, other=-1)
+                last = gl.maximum(last, gl.max(gl.where(inside & (slot >= 0) & (slot < num_slots), offs, -1), 0))
+            n_blocks = gl.cdiv(last + 1 - start, 64)
+        n_pairs = gl.cdiv(n_blocks, 2)
+        fence_async_shared()
+        _barrier()
+        math_args = (qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, p1_s, m0_s, m1_s, l0_s, l1_s, bars,
+                     idx_row, start, end, num_slots, n_pairs, sm_scale_log2,
+                     out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                     stride_ot, stride_oh, stride_lt, stride_lh)
+        prod_args = (kv_ptr, idx_row, start, end, num_slots, block_size, stride_kvb, stride_kvt, n_pairs,
+                     kA_s, kB_s, kC_s, kD_s, kr_s, bars)
+        # (a partition gets its arguments as values: the math warpgroup's number reaches it through its function)
+        gl.warp_specialize([(_ws_producer, prod_args), (_ws_math0, math_args), (_ws_math1, math_args)],
+                           [4, 4], [WS_MATH_REGS, WS_MATH_REGS])
 else:  # pragma: no cover
     _sparse_mla_fwd_sm90_kernel = None
+    _sparse_mla_fwd_sm90_ws_kernel = None

@@ -33,10 +33,13 @@ def gluon_tiles() -> list[tuple]:
 
 
 def main() -> None:
-    fn = G._sparse_mla_fwd_sm90_kernel
-    assert type(fn).__name__ == "GluonJITFunction", type(fn)
+    print(json.dumps(dict(triton=triton.__version__, ws=G.WS)), flush=True)
     for fmt, tile in gluon_tiles():
         c = M.SparseMLAConfig.from_tile(tile)
+        if c.ws and not G.WS:  # this Triton's warp_specialize has the older signature: the launcher refuses it
+            continue
+        fn = G._sparse_mla_fwd_sm90_ws_kernel if c.ws else G._sparse_mla_fwd_sm90_kernel
+        assert type(fn).__name__ == "GluonJITFunction", type(fn)
         fp8 = fmt == "fp8_ds_mla"
         for split in (False, True):
             sig = signature(fn, fwd_pointer_types(fmt, split), FLOATS)

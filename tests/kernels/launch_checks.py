@@ -152,7 +152,7 @@ def test_launch_hooks_see_direct_launches():
         assert launcher.direct_calls == 1 and len(seen) == 1
 
 
-@pytest.mark.parametrize("module,kernels", [(SM, 4 if SM._GLUON else 3), (IX, 3 if IX._GLUON else 2), (W, 1)],
+@pytest.mark.parametrize("module,kernels", [(SM, 3 + SM._GLUON + SM._WS), (IX, 3 if IX._GLUON else 2), (W, 1)],
                          ids=["sparse_mla", "indexer", "fp8_workspace"])
 def test_the_kernel_modules_launch_directly(module, kernels):
     """Imported as a package (as vLLM imports them), the kernel modules route every launch through a

@@ -303,7 +303,7 @@ def test_heuristic_emits_only_table_tiles_and_no_empty_split(capability, fmt):
                     assert c.tile in tiles
                     assert c.block_h >= min(H, 16) and c.num_splits >= 1
                     split_len = -(-topk // c.num_splits)
-                    split_len = -(-split_len // c.block_n) * c.block_n
+                    split_len = -(-split_len // c.split_unit) * c.split_unit
                     assert (c.num_splits - 1) * split_len < topk  # the last split has work
 
 

@@ -46,15 +46,26 @@ def test_gluon_kernel_cross_compiles_for_sm90_as_designed(tri):
     proc = subprocess.run([_python(tri), str(WORKER)], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=900)
     assert proc.returncode == 0, f"Gluon cross-compile under {tri} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    head, *rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # the warp-specialised tile where this Triton's warp_specialize takes [(function, args), ...] (3.6 on)
+    assert head["ws"] == (tri != "3.5.1"), head
     tiles = {(f, str(M.SparseMLAConfig.from_tile(t))) for f in M.KV_FORMATS
              for t in M.candidate_tiles((9, 0), f) + M.FOCUS_TILES.get(f, []) if t[6]}
-    assert {f for f, _ in tiles} == set(M.KV_FORMATS)
+    assert {f for f, _ in tiles} == set(M.KV_FORMATS) and any(M.SparseMLAConfig.from_string(t).ws for _, t in tiles)
+    if not head["ws"]:
+        tiles = {(f, t) for f, t in tiles if not M.SparseMLAConfig.from_string(t).ws}
     assert {(r["fmt"], r["tile"]) for r in rows} == tiles and len(rows) == 2 * len(tiles)  # split and unsplit
     for r in rows:
         c = M.SparseMLAConfig.from_string(r["tile"])
         what = f"triton {r['triton']} {r['tile']} split={r['split']}: {r}"
         assert r["shared"] <= r["limit"] and not (r["spill_stores"] or r["spill_loads"] or r["traps"]), what
+        if c.ws:
+            # the launcher's figure bounds the compiler's (whose scratch differs by a few bytes, split or not);
+            # per math warpgroup: the scores of its own 64-key block over K = 576 (36 steps of m64n64k16) and
+            # its 256 output columns as two 128-column tiles over its own block and the other's (2 x 2 x 4 steps)
+            assert G.ws_shared_bytes() - 64 <= r["shared"] <= G.ws_shared_bytes() <= r["limit"], what
+            assert r["wgmma"] == {"m64n64k16": 2 * 36, "m64n128k16": 2 * 16}, what
+            continue
         # the launcher's shared-memory rule (sparse_mla._check_gluon) is the compiler's figure
         assert r["shared"] == G.shared_bytes(r["fmt"] == "fp8_ds_mla", c.block_n, c.num_stages), what
         # per warpgroup: scores of its BLOCK_N / 2 keys over K = 576 (36 steps of 16), once; P.V: its 64 of
@@ -79,11 +90,18 @@ def test_gluon_config_strings_and_tiles():
 @pytest.mark.parametrize("H", [64, 100, 128])
 def test_choose_config_takes_the_gluon_tile_from_gluon_min_rows(H, fmt):
     groups = -(-H // 64)
-    for T in (1, 2, 3, 4, 5, 8, 9, 10, 16, 33, 128, 4096):
+    for T in (1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 16, 23, 24, 33, 128, 4096):
         c = M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=True)
         assert c.gluon == (T * groups >= M.GLUON_MIN_ROWS[fmt]), (T, H, c)
+        # from GLUON_WS_MIN_ROWS rows (bf16 only) the warp-specialised tile, where this Triton builds it
+        ws = M._WS and T * groups >= M.GLUON_WS_MIN_ROWS.get(fmt, 10 ** 9)
+        assert c.ws == ws, (T, H, c)
         if c.gluon:
-            assert c.tile == M._GLUON_TUNING[("sm90", fmt, 64)].config.tile and c.num_splits >= 1
+            table = M._GLUON_WS_TUNING if ws else M._GLUON_TUNING
+            assert c.tile == table[("sm90", fmt, 64)].config.tile and c.num_splits >= 1
+        if c.ws:  # its splits are whole pairs of 64-key blocks
+            split_len = -(-(-(-2048 // c.num_splits)) // 128) * 128
+            assert split_len % 128 == 0 and (c.num_splits - 1) * split_len < 2048, c
         # without Gluon: the same config where it was not Gluon, else the latency or the bucket's Triton tile
         t = M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=False)
         assert not t.gluon and (t == c if not c.gluon else t.tile in (
@@ -146,7 +164,8 @@ def test_gluon_env_switch_reaches_the_default_in_a_compiled_process():
                               env={**env, "DSA_OVERLAY_GLUON": value}, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         got[value] = proc.stdout.split()
-    assert got["1"] == ["True", "h64n64s1w8p2g"] and got["0"] == ["False", "h64n64s1w8p3"], got
+    ws = "h64n64s1w4p2g" if G.WS else "h64n64s1w8p2g"  # T=4096: the warp-specialised tile where Triton has it
+    assert got["1"] == ["True", ws] and got["0"] == ["False", "h64n64s1w8p3"], got
 
 
 @pytest.mark.parametrize("config,why", [
@@ -171,7 +190,12 @@ def test_a_gluon_config_is_refused_in_one_line_where_it_cannot_run(config, why):
     (dict(capability=(8, 9)), "sm_90 kernel"),
     (dict(capability=(12, 0)), "sm_90 kernel"),
     (dict(config="h32n64s1w8p2g"), "64-head"),
-    (dict(config="h64n64s1w4p2g"), "64-head"),
+    (dict(config="h64n64s1w4p2g", kv_format="fp8_ds_mla"), "warp-specialised tile \\(4 warps\\) reads bf16"),
+    (dict(config="h64n64s1w4p3g"), "h64n64 with 2 buffers"),
+    (dict(config="h64n32s1w4p2g"), "h64n64 with 2 buffers"),
+    (dict(config="h64n64s1w4p2d2g"), "without d2 or f"),
+    (dict(config="h32n64s1w4p2g"), "h64n64 with 2 buffers"),
+    (dict(config="h64n64s1w2p2g"), "64-head"),
     (dict(config="h64n64s1w8p2d2g"), "64-head"),
     (dict(config="h64n16s1w8p2g"), "block_n"),
     (dict(config="h64n64s1w8p1g"), "gather buffers"),
@@ -185,6 +209,8 @@ def test_check_gluon_names_what_it_does_not_do(kw, why, monkeypatch):
     M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p4g"), "bf16", (9, 0))  # valid ones pass
     M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w8p2g"), "fp8_ds_mla", (9, 0))
     M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p5g"), "fp8_ds_mla", (9, 0))
+    if G.WS:
+        M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w4p2g"), "bf16", (9, 0))
 
 
 @pytest.fixture
