@@ -106,7 +106,9 @@ def describe(cfg) -> str:
         parts.append("value dim split: 2 programs x 256 cols")
     if cfg.fp8_post_scale:
         parts.append("fp8 scales after the dots")
-    if cfg.gluon:
+    if cfg.ws:
+        parts.append("warp-specialised Gluon sm_90 kernel (a producer and 2 math warpgroups, one 64-key block each)")
+    elif cfg.gluon:
         parts.append("Gluon sm_90 kernel (scores split over the 2 warpgroups by keys)")
     return "; ".join(parts)
 
