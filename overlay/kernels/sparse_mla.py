@@ -610,9 +610,9 @@ _GLUON_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
 }
 GLUON_MIN_ROWS: dict[str, int] = {"bf16": 5, "fp8_ds_mla": 10}
 # sm_90, bf16, 64-head bucket, from GLUON_WS_MIN_ROWS[format] rows: the warp-specialised Gluon tile (sparse_mla_sm90.py,
-# 4 launch warps: a producer warpgroup and two math warpgroups; Triton 3.6 on). On the H100 (bench/RESULTS.md,
-# 2026-12-06) it took 7-20% off the 8-warp tile's time at T=128 (64 and 128 heads) and at T=4096; at T=32 x 64 heads
-# (4 splits) the two tied.
+# 4 launch warps: a producer warpgroup and two math warpgroups; Triton 3.6 on). On the H100 (bench/RESULTS.md, stop
+# 39) it ran 1.04-1.08x the 8-warp tile's speed at T=128 x 64 heads, 1.24-1.25x at 128 heads, 1.01-1.07x at 24-64 rows
+# but a tie at 32 (0.96-0.99x), 0.94-0.95x below 24 rows; a T=4096 prefill 0.99-1.09x (the noisy row).
 _GLUON_WS_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
     ("sm90", "bf16", 64): SparseMLATuning(SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2,
                                                           gluon=True)),
@@ -704,8 +704,8 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
 
     The head bucket's Gluon tile (_GLUON_TUNING) where there is one, ``gluon`` (default GLUON_DEFAULT) allows
     it and T x ceil(H / 64) >= GLUON_MIN_ROWS[kv_format]; from GLUON_WS_MIN_ROWS[kv_format] rows its
-    warp-specialised tile (_GLUON_WS_TUNING) where this Triton builds it. Otherwise, in the latency regime (T x ceil(H / 16)
-    <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16; at 64+ heads also at most
+    warp-specialised tile (_GLUON_WS_TUNING) where this Triton builds it. Otherwise, in the latency regime
+    (T x ceil(H / 16) <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16; at 64+ heads also at most
     _LATENCY_MAX_ROWS64[(family, kv_format)] (token, 64-head) rows where that is set): the 16-head latency tile;
     else the head bucket's throughput tile. Then the top-k list is split so
     that T x head groups x splits fills the tile's programs-per-SM x sm_count (waves over the SMs), at

@@ -30,6 +30,8 @@ this Triton builds it), picked from GLUON_WS_MIN_ROWS rows (_GLUON_WS_TUNING).
 
 from __future__ import annotations
 
+import inspect
+
 try:  # Gluon arrived in Triton 3.5; its Hopper API (warpgroup_mma, async_copy) is the same in 3.5 - 3.9
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -46,7 +48,7 @@ except ImportError:  # pragma: no cover - older Triton
 GLUON = gluon is not None
 # The warp-specialised tile needs warp_specialize([(function, args), ...], ...) (Triton 3.6 on); Triton 3.5 has another
 # signature for it, and there the 8-warp tile stays the only sm_90 one.
-WS = GLUON and "functions_and_args" in __import__("inspect").signature(gl.warp_specialize).parameters
+WS = GLUON and "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 
 
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
