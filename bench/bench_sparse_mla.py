@@ -107,7 +107,7 @@ def describe(cfg) -> str:
     if cfg.fp8_post_scale:
         parts.append("fp8 scales after the dots")
     if cfg.ws:
-        parts.append("warp-specialised Gluon sm_90 kernel (a producer and 2 math warpgroups, one 64-key block each)")
+        parts.append("warp-specialised Gluon sm_90 kernel (a producer warpgroup and 2 math warpgroups)")
     elif cfg.gluon:
         parts.append("Gluon sm_90 kernel (scores split over the 2 warpgroups by keys)")
     return "; ".join(parts)

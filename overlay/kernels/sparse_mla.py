@@ -70,10 +70,10 @@ from .launch import GLUON_ENV
 from .launch import gluon_wanted as _gluon_wanted
 from .sparse_mla_sm90 import GLUON as _GLUON
 from .sparse_mla_sm90 import WS as _WS
+from .sparse_mla_sm90 import WS_FP8 as _WS_FP8
 from .sparse_mla_sm90 import _sparse_mla_fwd_sm90_kernel, _sparse_mla_fwd_sm90_ws_kernel
 from .sparse_mla_sm90 import SHARED_LIMIT as _SM90_SHARED
 from .sparse_mla_sm90 import shared_bytes as _gluon_shared_bytes
-from .sparse_mla_sm90 import ws_shared_bytes as _ws_shared_bytes
 
 __all__ = [
     "SparseMLAConfig",
@@ -435,8 +435,9 @@ class SparseMLAConfig:
         the dots instead of dequantising the [BLOCK_N, 512] tile (no effect on bf16).
     gluon: sm_90 only, block_h 64, dv_split 1: a Gluon kernel of sparse_mla_sm90.py. 8 warps: the two-warpgroup
         tile (bf16 or fp8_ds_mla; explicit warpgroup layouts, no duplicated score work), num_stages its number of
-        gather buffers. 4 warps (``ws``): the warp-specialised tile (bf16 only, block_n 64, num_stages 2: its two
-        key buffers; 4 warps gather and two more warpgroups of 4 compute; its top-k splits are whole pairs of blocks).
+        gather buffers. 4 warps (``ws``): the warp-specialised tile (block_n 64, num_stages 2: its two key buffers; 4
+        warps gather, or dequantise fp8_ds_mla, and two more warpgroups of 4 compute; its top-k splits are whole pairs
+        of blocks).
     String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f][g],
         e.g. 'h64n64s1w8p3d2' (dv_split=2), 'h16n32s8w4p2f' (fp8_post_scale) or 'h64n64s1w8p2g' (gluon).
     Tuple form (``tile``, :func:`candidate_tiles`): everything but num_splits, in field order.
@@ -609,15 +610,19 @@ _GLUON_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
                                                                 gluon=True)),
 }
 GLUON_MIN_ROWS: dict[str, int] = {"bf16": 5, "fp8_ds_mla": 10}
-# sm_90, bf16, 64-head bucket, from GLUON_WS_MIN_ROWS[format] rows: the warp-specialised Gluon tile (sparse_mla_sm90.py,
-# 4 launch warps: a producer warpgroup and two math warpgroups; Triton 3.6 on). On the H100 (bench/RESULTS.md, stop
-# 39) it ran 1.04-1.08x the 8-warp tile's speed at T=128 x 64 heads, 1.24-1.25x at 128 heads, 1.01-1.07x at 24-64 rows
-# but a tie at 32 (0.96-0.99x), 0.94-0.95x below 24 rows; a T=4096 prefill 0.99-1.09x (the noisy row).
+# sm_90, 64-head bucket, from GLUON_WS_MIN_ROWS[format] rows: the warp-specialised Gluon tile (sparse_mla_sm90.py,
+# 4 launch warps: a producer warpgroup and two math warpgroups; Triton 3.6 on), checked before GLUON_MIN_ROWS. On the
+# H100 (bench/RESULTS.md): bf16 (stop 39) 1.04-1.08x the 8-warp tile's speed at T=128 x 64 heads, 1.24-1.25x at 128
+# heads, 1.01-1.07x at 24-64 rows but a tie at 32 (0.96-0.99x), 0.94-0.95x below 24 rows; a T=4096 prefill 0.99-1.09x
+# (the noisy row). fp8_ds_mla (stop 40) 1.09-1.31x the 8-warp tile at 8-4096 tokens and 1.09-1.32x the Triton tile at
+# 3-16 rows (a tie at 2 rows, where the latency tile stays).
 _GLUON_WS_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
     ("sm90", "bf16", 64): SparseMLATuning(SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2,
                                                           gluon=True)),
+    ("sm90", "fp8_ds_mla", 64): SparseMLATuning(SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2,
+                                                                gluon=True)),
 }
-GLUON_WS_MIN_ROWS: dict[str, int] = {"bf16": 24}
+GLUON_WS_MIN_ROWS: dict[str, int] = {"bf16": 24, "fp8_ds_mla": 3}
 # The latency tile (16 heads) at 64+ heads runs ceil(H / 16) head groups over the same rows: for fp8_ds_mla each
 # group gathers and dequantises every row again. On the H200 (bench/small_batch.py, 2026-12-05, backend calls)
 # it took 27.2 / 34.9 us at 3 / 4 rows (64 heads) and 34.0 at 4 (128 heads), where the 64-head Triton tile took
@@ -649,7 +654,7 @@ FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
              SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon=True),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, gluon=True),
              SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=4, gluon=True),
-             # the warp-specialised Gluon tile (a producer and two math warpgroups; bf16 only)
+             # the warp-specialised Gluon tile (a producer and two math warpgroups)
              SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2, gluon=True)),
     # the Gluon tile on an fp8_ds_mla cache (block i + 1 dequantised while block i's P.V runs; num_stages = raw
     # gather buffers: 2 fit at block_n 64, up to 5 at 32)
@@ -660,7 +665,9 @@ FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
                    SparseMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, dv_split=2),
                    SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=5),
                    SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3),
-                   SparseMLAConfig(block_h=128, block_n=32, num_warps=8, num_stages=2, dv_split=2)),
+                   SparseMLAConfig(block_h=128, block_n=32, num_warps=8, num_stages=2, dv_split=2),
+                   # the warp-specialised tile (a producer warpgroup dequantises, two math warpgroups)
+                   SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2, gluon=True)),
 }
 # The same in tuple form (the benchmark and the kernel tests concatenate it with candidate_tiles()).
 FOCUS_TILES: dict[str, list[tuple]] = {fmt: [c.tile for c in cs] for fmt, cs in FOCUS_CONFIGS.items()}
@@ -702,9 +709,9 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
     """Heuristic launch configuration (no autotuning: nothing recompiles when the batch size changes;
     cached, the result is frozen).
 
-    The head bucket's Gluon tile (_GLUON_TUNING) where there is one, ``gluon`` (default GLUON_DEFAULT) allows
-    it and T x ceil(H / 64) >= GLUON_MIN_ROWS[kv_format]; from GLUON_WS_MIN_ROWS[kv_format] rows its
-    warp-specialised tile (_GLUON_WS_TUNING) where this Triton builds it. Otherwise, in the latency regime
+    Where ``gluon`` (default GLUON_DEFAULT) allows it: the head bucket's warp-specialised Gluon tile
+    (_GLUON_WS_TUNING) where this Triton builds it and T x ceil(H / 64) >= GLUON_WS_MIN_ROWS[kv_format], else its
+    Gluon tile (_GLUON_TUNING) from GLUON_MIN_ROWS[kv_format] such rows. Otherwise, in the latency regime
     (T x ceil(H / 16) <= sm_count / 8, e.g. T = 1 at any H, T = 8 at H <= 16; at 64+ heads also at most
     _LATENCY_MAX_ROWS64[(family, kv_format)] (token, 64-head) rows where that is set): the 16-head latency tile;
     else the head bucket's throughput tile. Then the top-k list is split so
@@ -716,15 +723,21 @@ def choose_config(num_tokens: int, num_heads: int, topk: int, kv_format: str = "
     key = (fam, kv_format, _head_bucket(num_heads))
     rows64 = rows_of_64_heads(num_tokens, num_heads)
     latency_cap = _LATENCY_MAX_ROWS64.get((fam, kv_format)) if key[2] == 64 else None
-    if gluon and key in _GLUON_TUNING and rows64 >= GLUON_MIN_ROWS[kv_format]:
-        ws = _WS and key in _GLUON_WS_TUNING and rows64 >= GLUON_WS_MIN_ROWS[kv_format]
-        entry = (_GLUON_WS_TUNING if ws else _GLUON_TUNING)[key]
+    if gluon and ws_builds(kv_format) and key in _GLUON_WS_TUNING and rows64 >= GLUON_WS_MIN_ROWS[kv_format]:
+        entry = _GLUON_WS_TUNING[key]
+    elif gluon and key in _GLUON_TUNING and rows64 >= GLUON_MIN_ROWS[kv_format]:
+        entry = _GLUON_TUNING[key]
     elif latency_regime(num_tokens, num_heads, sm_count) and (latency_cap is None or rows64 <= latency_cap):
         entry = _LATENCY_TUNING[(fam, kv_format)]
     else:
         entry = _THROUGHPUT_TUNING[key]
     splits = split_count(num_tokens, num_heads, topk, entry.config, entry.programs_per_sm, sm_count)
     return replace(entry.config, num_splits=splits)
+
+
+def ws_builds(kv_format: str) -> bool:
+    """Whether this Triton builds the warp-specialised sm_90 tile for this cache format (sparse_mla_sm90.WS, WS_FP8)."""
+    return _WS_FP8 if kv_format == "fp8_ds_mla" else _WS
 
 
 def rows_of_64_heads(num_tokens: int, num_heads: int) -> int:
@@ -828,13 +841,12 @@ def _check_gluon(config: SparseMLAConfig, kv_format: str, capability: tuple[int,
     elif config.ws:
         if not _WS:
             why = f"Triton {triton.__version__}'s Gluon has no warp_specialize([(function, args), ...]) (3.6 on)"
-        elif kv_format != "bf16":
-            why = "the warp-specialised tile (4 warps) reads bf16 caches"
+        elif not ws_builds(kv_format):
+            why = (f"its fp8_ds_mla schedule spills under Triton {triton.__version__} (it is built with Triton 3.6-3.8; "
+                   "the 8-warp tile h64n64s*w8p2g runs there)")
         elif (config.block_h, config.block_n, config.num_stages, config.dv_split, config.fp8_post_scale) != (
                 64, 64, 2, 1, False):
             why = "the warp-specialised tile (4 warps) is h64n64 with 2 buffers (p2), without d2 or f"
-        elif _ws_shared_bytes() > _SM90_SHARED:  # pragma: no cover - a constant; the cross-compile test checks it
-            why = f"it needs {_ws_shared_bytes()} B of shared memory, more than sm_90's {_SM90_SHARED}"
     elif (config.block_h, config.num_warps, config.dv_split, config.fp8_post_scale) != (64, 8, 1, False):
         why = "it is the 64-head tile of 8 warps (or 4: the warp-specialised one) without d2 or f"
     elif config.block_n not in (32, 64) or config.num_stages < 2:
@@ -1135,7 +1147,9 @@ class _Plan:
                          q.stride(0), q.stride(1), qr.stride(0), qr.stride(1), self.rope_off, stride_b, stride_t,
                          idx_stride, stride_btr) + out_s + lse_s
         self.fwd_kw = dict(
-            IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=self.split, DOT_F32=INTERPRETED,
+            # (the warp-specialised tile predicates its stores on num_splits: one build serves both)
+            IS_FP8=(kv_format == "fp8_ds_mla"), FP8_NATIVE=fp8_native, SPLIT=self.split and not config.ws,
+            DOT_F32=INTERPRETED,
             BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split,
             FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla", PAGED=self.inline,
             SKIP_TAIL=SKIP_TAIL and split_len >= SKIP_TAIL_MIN_BLOCKS * bn,

@@ -23,14 +23,18 @@ against float64 references, bench/bench_sparse_mla.py's reference check) and the
 under every Triton the tests meet (tests/kernels/test_sparse_mla_sm90.py: 3.5.1, 3.6, and the newest vLLM venv's).
 ``GLUON`` is False where this Triton has no Gluon for Hopper. Where it runs: sparse_mla.py's _GLUON_TUNING (sm_90,
 bf16 and fp8_ds_mla caches, 64-head bucket, batches of at least GLUON_MIN_ROWS[format] rows; DSA_OVERLAY_GLUON=0
-turns it off). A second kernel here, ``_sparse_mla_fwd_sm90_ws_kernel``, is the warp-specialised tile for bf16 caches
-(FlashMLA's sm_90 schedule: a producer warpgroup and two math warpgroups, one 64-key block each; ``WS`` says whether
-this Triton builds it), picked from GLUON_WS_MIN_ROWS rows (_GLUON_WS_TUNING).
+turns it off). A second kernel here, ``_sparse_mla_fwd_sm90_ws_kernel``, is the warp-specialised tile (FlashMLA's
+sm_90 schedules; ``WS`` says whether this Triton builds it), picked from GLUON_WS_MIN_ROWS rows (_GLUON_WS_TUNING).
+bf16: a producer warpgroup gathers and two math warpgroups score one 64-key block each. fp8_ds_mla: a producer
+warpgroup dequantises each block into a bf16 buffer, one math warpgroup scores every block, and both multiply P with
+their half of the value columns.
 """
 
 from __future__ import annotations
 
 import inspect
+
+import triton
 
 try:  # Gluon arrived in Triton 3.5; its Hopper API (warpgroup_mma, async_copy) is the same in 3.5 - 3.9
     from triton.experimental import gluon
@@ -49,6 +53,10 @@ GLUON = gluon is not None
 # The warp-specialised tile needs warp_specialize([(function, args), ...], ...) (Triton 3.6 on); Triton 3.5 has another
 # signature for it, and there the 8-warp tile stays the only sm_90 one.
 WS = GLUON and "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+# Its fp8_ds_mla schedule compiles without spills under Triton 3.6 (measured and shipped there: bench/RESULTS.md, stop
+# 40). Triton 3.9 (vLLM 0.28 on) spills 48-56 bytes of the scoring warpgroup's arguments at every register split that
+# leaves the producer enough (cross-compiled); there fp8_ds_mla keeps the 8-warp tile until that is tuned on a GPU.
+WS_FP8 = WS and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)
 
 
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
@@ -68,11 +76,13 @@ def shared_bytes(is_fp8: bool, block_n: int, num_buf: int) -> int:
 WS_SCRATCH_BYTES = 328  # the compiler's own scratch in the warp-specialised tile (measured: sm_90 builds, Triton 3.6)
 
 
-def ws_shared_bytes() -> int:
+def ws_shared_bytes(is_fp8: bool) -> int:
     """Shared memory of one program of the warp-specialised tile: Q [64, 576] and two 64-row key buffers [64, 576] in
-    bf16, P1 [64, 64] in bf16 (P0 lives in buffer 0's rope columns), four [64] float32 row vectors (maxima and sums
-    crossing the math warpgroups), fourteen mbarriers, and the compiler's scratch."""
-    return 3 * 64 * 576 * 2 + 64 * 64 * 2 + 4 * 64 * 4 + 14 * 8 + WS_SCRATCH_BYTES
+    bf16, and the compiler's scratch; bf16: P1 [64, 64] in bf16 (P0 lives in buffer 0's rope columns), four [64]
+    float32 row vectors (maxima and sums crossing the math warpgroups) and fourteen mbarriers; fp8_ds_mla: four
+    [64] float32 row vectors (the rescale factor per buffer, the final max and sum) and seven mbarriers."""
+    own = 4 * 64 * 4 + 7 * 8 if is_fp8 else 64 * 64 * 2 + 4 * 64 * 4 + 14 * 8
+    return 3 * 64 * 576 * 2 + own + WS_SCRATCH_BYTES
 
 
 if GLUON:
@@ -84,6 +94,20 @@ if GLUON:
         nmask = offs_n < end
         slot = gl.load(idx_row + offs_n, mask=nmask, other=-1)
         return slot, nmask & (slot >= 0) & (slot < num_slots)
+
+    @gluon.jit
+    def _last_valid(idx_row, start, end, num_slots, WARPS: gl.constexpr):
+        """The position of the last valid slot id in idx[start : end] (start - 1 if none), 1024 ids at a time over
+        WARPS warps. Trailing invalid ids change nothing (a prompt's first tokens have fewer than top-k keys; the
+        indexer pads their lists with -1): a loop may end after it."""
+        scan = gl.arange(0, 1024, layout=gl.BlockedLayout([1024 // (32 * WARPS)], [32], [WARPS], [0]))
+        last = start - 1
+        for i0 in range(start, end, 1024):
+            offs = i0 + scan
+            inside = offs < end
+            slot = gl.load(idx_row + offs, mask=inside, other=-1)
+            last = gl.maximum(last, gl.max(gl.where(inside & (slot >= 0) & (slot < num_slots), offs, -1), 0))
+        return last
 
     @gluon.jit
     def _rows(idx_row, n0, end, num_slots, block_size, stride_kvb, stride_kvt, BLOCK_N: gl.constexpr,
@@ -265,18 +289,10 @@ if GLUON:
         start = sp * split_len
         end = gl.minimum(start + split_len, topk)
         idx_row = idx_ptr + t.to(gl.int64) * stride_it
-        # Trailing invalid indices change nothing (a prompt's first tokens have fewer than top-k keys; the indexer
-        # pads their lists with -1): the loop ends after this split's last valid index (none: no iteration).
+        # the loop ends after this split's last valid index (none: no iteration; see _last_valid)
         n_iter = gl.cdiv(end - start, BLOCK_N)
         if SKIP_TAIL:
-            scan = gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [8], [0]))  # 4 indices per thread
-            last = start - 1
-            for i0 in range(start, end, 1024):
-                offs = i0 + scan
-                inside = offs < end
-                slot = gl.load(idx_row + offs, mask=inside, other=-1)
-                last = gl.maximum(last, gl.max(gl.where(inside & (slot >= 0) & (slot < num_slots), offs, -1), 0))
-            n_iter = gl.cdiv(last + 1 - start, BLOCK_N)
+            n_iter = gl.cdiv(_last_valid(idx_row, start, end, num_slots, 8) + 1 - start, BLOCK_N)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         l_i = gl.full([BLOCK_H], 0.0, gl.float32, layout=gl.SliceLayout(1, S_L))
         accA = gl.full([BLOCK_H, 128], 0.0, gl.float32, layout=O_L)
@@ -420,6 +436,19 @@ if GLUON:
     # columns of the other's block. 232 registers per math warpgroup, no spill (tests/kernels/test_sparse_mla_sm90.py).
     WS_MATH_REGS: gl.constexpr = gl.constexpr(232)
 
+    # one math warpgroup's layouts: a [64, 64] score tile, 128-column output tiles
+    WS_S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+    WS_O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]))
+
+    @gluon.jit
+    def _ws_state():
+        """A math warpgroup's running row max (finite: no -inf - -inf), row sum and two 128-column accumulators."""
+        m_run = gl.full([64], -1.0e30, gl.float32, layout=gl.SliceLayout(1, WS_S_L))
+        l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, WS_S_L))
+        acc0 = gl.full([64, 128], 0.0, gl.float32, layout=WS_O_L)
+        acc1 = gl.full([64, 128], 0.0, gl.float32, layout=WS_O_L)
+        return m_run, l_i, acc0, acc1
+
     @gluon.jit
     def _ws_scores(qA_s, qB_s, qC_s, qD_s, qr_s, kA, kB, kC, kD, kr, rdy_first, rdy_second, ph, S_L: gl.constexpr,
                    L_FIRST: gl.constexpr):
@@ -460,12 +489,14 @@ if GLUON:
         hmask_o = ((offs_ho < H) & (not split))[:, None]
         prow = (t.to(gl.int64) * H + offs_ho) * num_splits + sp
         po = po_ptr + prow[:, None] * 512 + d_o
-        gl.store(po, acc0 * inv_o, mask=hmask_p)
-        gl.store(po + 128, acc1 * inv_o, mask=hmask_p)
+        o0 = acc0 * inv_o
+        o1 = acc1 * inv_o
+        gl.store(po, o0, mask=hmask_p)
+        gl.store(po + 128, o1, mask=hmask_p)
         o = out_ptr + t.to(gl.int64) * stride_ot + offs_ho.to(gl.int64)[:, None] * stride_oh + d_o
         oty = out_ptr.dtype.element_ty
-        gl.store(o, (acc0 * inv_o).to(oty), mask=hmask_o)
-        gl.store(o + 128, (acc1 * inv_o).to(oty), mask=hmask_o)
+        gl.store(o, o0.to(oty), mask=hmask_o)
+        gl.store(o + 128, o1.to(oty), mask=hmask_o)
         if WG == 1:
             gl.store(plse_ptr + (t.to(gl.int64) * H + offs_hl) * num_splits + sp, lse, mask=(offs_hl < H) & split)
             gl.store(lse_ptr + t.to(gl.int64) * stride_lt + offs_hl.to(gl.int64) * stride_lh, lse,
@@ -477,15 +508,11 @@ if GLUON:
                  out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
                  stride_ot, stride_oh, stride_lt, stride_lh):
         """Math warpgroup WG (0: even blocks, output columns 0-255; 1: odd blocks, columns 256-511)."""
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 128, 16])
+        S_L: gl.constexpr = WS_S_L
+        O_L: gl.constexpr = WS_O_L
         PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         ROW: gl.constexpr = gl.SliceLayout(1, S_L)
-        m_run = gl.full([64], -1.0e30, gl.float32, layout=ROW)
-        l_i = gl.full([64], 0.0, gl.float32, layout=ROW)
-        acc0 = gl.full([64, 128], 0.0, gl.float32, layout=O_L)
-        acc1 = gl.full([64, 128], 0.0, gl.float32, layout=O_L)
+        m_run, l_i, acc0, acc1 = _ws_state()
         if WG == 0:  # my values: chunks A, B (columns 0-255)
             v0_s = kA_s
             v1_s = kB_s
@@ -631,6 +658,128 @@ if GLUON:
             mbarrier.wait(bars.index(6), ph)
             _ws_gather_half(kv_ptr, row1, v1, kA_s.index(1), kB_s.index(1), kr_s.index(1), bars.index(2), True, LP)
 
+    # ---- the warp-specialised tile on fp8_ds_mla caches (FlashMLA's sm_90 fp8 schedule) -------------------------
+    # The producer (the default partition, the registers left over: 128) dequantises: it loads a block's e4m3 bytes,
+    # tile scales and rope values into registers (the loads go out before it waits for the buffer to be free),
+    # multiplies them out into the bf16 key buffer and posts it (ready). Math warpgroup WG0 scores every block over
+    # all 64 heads, keeps the softmax, and multiplies P (from registers) with output columns 0-255; it leaves P in
+    # the buffer's rope columns (read only by its own scores) and the rescale factor beside it for WG1, which
+    # multiplies them with columns 256-511. Both free the buffer. Two buffers; the warpgroups meet only at their
+    # mbarriers. (The bf16 schedule, two warpgroups scoring a block each, would leave the producer 48 registers.)
+    WS8_SCORE_REGS: gl.constexpr = gl.constexpr(216)  # WG0: scores, softmax, half the output
+    WS8_PV_REGS: gl.constexpr = gl.constexpr(160)  # WG1: half the output (the producer: the rest, 128)
+
+    @gluon.jit
+    def _ws8_producer(kv_ptr, idx_row, start, end, num_slots, block_size, stride_kvb, stride_kvt, n_blocks,
+                      kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars):
+        """Per block: its slots (loaded one block ahead), raw bytes, scales and rope values into registers; wait
+        until buffer j % 2 is free (parity 1 first: free from the start); dequantise into it; post it."""
+        DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ROWS: gl.constexpr = gl.SliceLayout(1, DQ)
+        cb = gl.arange(0, 128, layout=gl.SliceLayout(0, DQ))
+        cr = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
+        slot, valid = _slots(idx_row, start, end, num_slots, 64, ROWS)
+        for j in range(n_blocks):
+            b = j & 1
+            s = gl.where(valid, slot, 0)
+            blk = s // block_size
+            row = blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
+            base = kv_ptr + row[:, None] + cb[None, :]
+            m = valid[:, None]
+            xA = gl.load(base, mask=m, other=0)
+            xB = gl.load(base + 128, mask=m, other=0)
+            xC = gl.load(base + 256, mask=m, other=0)
+            xD = gl.load(base + 384, mask=m, other=0)
+            sc = (kv_ptr + row + 512).to(gl.pointer_type(gl.float32))
+            s0 = gl.load(sc, mask=valid, other=0.0)
+            s1 = gl.load(sc + 1, mask=valid, other=0.0)
+            s2 = gl.load(sc + 2, mask=valid, other=0.0)
+            s3 = gl.load(sc + 3, mask=valid, other=0.0)
+            row_r = gl.convert_layout(row, gl.SliceLayout(1, LR))
+            valid_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
+            rope = (kv_ptr + row_r + 528).to(gl.pointer_type(gl.bfloat16))
+            xr = gl.load(rope[:, None] + cr[None, :], mask=valid_r[:, None], other=0.0)
+            slot, valid = _slots(idx_row, start + (j + 1) * 64, end, num_slots, 64, ROWS)  # the next block's
+            mbarrier.wait(bars.index(2 + b), ((j >> 1) & 1) ^ 1)
+            kA_s.index(b).store((xA.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s0[:, None]).to(gl.bfloat16))
+            kB_s.index(b).store((xB.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s1[:, None]).to(gl.bfloat16))
+            kC_s.index(b).store((xC.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s2[:, None]).to(gl.bfloat16))
+            kD_s.index(b).store((xD.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s3[:, None]).to(gl.bfloat16))
+            kr_s.index(b).store(xr)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(b))
+
+    @gluon.jit
+    def _ws8_math(WG: gl.constexpr, qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars,
+                  idx_row, start, end, num_slots, n_blocks, sm_scale_log2,
+                  out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                  stride_ot, stride_oh, stride_lt, stride_lh):
+        """WG0: scores, softmax and output columns 0-255 of every block; WG1: columns 256-511 with WG0's P."""
+        S_L: gl.constexpr = WS_S_L
+        O_L: gl.constexpr = WS_O_L
+        PA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        m_run, l_i, acc0, acc1 = _ws_state()
+        for j in range(n_blocks):
+            ph = (j >> 1) & 1
+            dyn = j >> 30  # always 0, but not to the compiler (see _ws_math)
+            b = (j & 1) + dyn
+            if WG == 0:
+                _, valid = _slots(idx_row, start + j * 64, end, num_slots, 64, gl.SliceLayout(0, S_L))
+                s = _ws_scores(qN_s.index(dyn), qN_s.index(dyn + 1), qN_s.index(dyn + 2), qN_s.index(dyn + 3),
+                               qR_s.index(dyn), kA_s.index(b), kB_s.index(b), kC_s.index(b), kD_s.index(b),
+                               kr_s.index(b), bars.index(b), bars.index(b), ph, S_L, True)
+                s = warpgroup_mma_wait(0, deps=[s])
+                s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+                m_new = gl.maximum(m_run, gl.max(s, 1))
+                p = gl.exp2(s - m_new[:, None])
+                alpha = gl.exp2(m_run - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_run = m_new
+                pb = p.to(gl.bfloat16)
+                kr_s.index(b).store(pb)  # P for WG1, in the rope columns this block's scores are done with
+                a_s.index(b).store(alpha)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(4 + b))
+                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                pa = gl.convert_layout(pb, PA_L)
+                acc0 = warpgroup_mma(pa, kA_s.index(b), acc0 * alpha_o, is_async=True)
+                acc1 = warpgroup_mma(pa, kB_s.index(b), acc1 * alpha_o, is_async=True)
+            else:
+                mbarrier.wait(bars.index(4 + b), ph)
+                alpha_o = a_s.index(b).load(gl.SliceLayout(1, O_L))[:, None]
+                acc0 = warpgroup_mma(kr_s.index(b), kC_s.index(b), acc0 * alpha_o, is_async=True)
+                acc1 = warpgroup_mma(kr_s.index(b), kD_s.index(b), acc1 * alpha_o, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+            mbarrier.arrive(bars.index(2 + b))  # this warpgroup is done with buffer b
+        if WG == 0:
+            ml_s.index(0).store(m_run)
+            ml_s.index(1).store(l_i)
+            mbarrier.arrive(bars.index(6))
+        else:
+            mbarrier.wait(bars.index(6), 0)
+            m_run = ml_s.index(0).load(ROW)
+            l_i = ml_s.index(1).load(ROW)
+        _ws_store(acc0, acc1, WG * 256, l_i, m_run, WG, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H,
+                  num_splits, stride_ot, stride_oh, stride_lt, stride_lh, S_L, O_L)
+
+    @gluon.jit
+    def _ws8_math0(qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars, idx_row, start, end, num_slots,
+                   n_blocks, sm_scale_log2, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                   stride_ot, stride_oh, stride_lt, stride_lh):
+        _ws8_math(0, qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars, idx_row, start, end, num_slots,
+                  n_blocks, sm_scale_log2, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                  stride_ot, stride_oh, stride_lt, stride_lh)
+
+    @gluon.jit
+    def _ws8_math1(qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars, idx_row, start, end, num_slots,
+                   n_blocks, sm_scale_log2, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                   stride_ot, stride_oh, stride_lt, stride_lh):
+        _ws8_math(1, qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars, idx_row, start, end, num_slots,
+                  n_blocks, sm_scale_log2, out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                  stride_ot, stride_oh, stride_lt, stride_lh)
+
     @gluon.jit
     def _sparse_mla_fwd_sm90_ws_kernel(
         q_ptr, qr_ptr, kv_ptr, idx_ptr, req_ptr, bt_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr,
@@ -645,7 +794,7 @@ if GLUON:
         PAGED: gl.constexpr = False, SKIP_TAIL: gl.constexpr = True, NUM_BUF: gl.constexpr = 2,
         P_SWIZZLE: gl.constexpr = 128,
     ):
-        gl.static_assert(not IS_FP8, "the warp-specialised sm_90 kernel reads bf16 caches")
+        gl.static_assert(not IS_FP8 or FP8_NATIVE, "fp8_ds_mla: native e4m3 conversion (sm_90)")
         gl.static_assert(not PAGED, "the sm_90 Gluon kernel reads slot ids")
         gl.static_assert(DV_SPLIT == 1, "the sm_90 Gluon kernel has no dv_split")
         gl.static_assert(BLOCK_H == 64 and BLOCK_N == 64, "the warp-specialised kernel is a 64-head x 64-key tile")
@@ -677,46 +826,58 @@ if GLUON:
         kC_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH)
         kD_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH)
         kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH)
-        # P0 (WG0's block, read by WG1's P.V) lives in buffer 0's rope columns: only WG0's scores read those, and
-        # the producer refills them after WG1's P.V is done (FlashMLA does the same); P1 has its own buffer
-        p1_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SH)
-        m0_s = gl.allocate_shared_memory(gl.float32, [64], V1)
-        m1_s = gl.allocate_shared_memory(gl.float32, [64], V1)
-        l0_s = gl.allocate_shared_memory(gl.float32, [64], V1)
-        l1_s = gl.allocate_shared_memory(gl.float32, [64], V1)
-        # 0-3: ready (buffer 0 L, 0 R, 1 L, 1 R; every producer thread arrives), 4-7: free (same order),
-        # 8/9: WG0's max / the final max, 10/11: P0 / P1 in shared memory, 12/13: row sums
-        bars = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
-            mbarrier.init(bars.index(i), count=128)
-        for i in gl.static_range(4, 14):
-            mbarrier.init(bars.index(i), count=1)
-
         start = sp * split_len
         end = gl.minimum(start + split_len, topk)
         idx_row = idx_ptr + t.to(gl.int64) * stride_it
         n_blocks = gl.cdiv(end - start, 64)
         if SKIP_TAIL:
-            scan = gl.arange(0, 1024, layout=gl.BlockedLayout([8], [32], [4], [0]))
-            last = start - 1
-            for i0 in range(start, end, 1024):
-                offs = i0 + scan
-                inside = offs < end
-                slot = gl.load(idx_row + offs, mask=inside, other=-1)
-                last = gl.maximum(last, gl.max(gl.where(inside & (slot >= 0) & (slot < num_slots), offs, -1), 0))
-            n_blocks = gl.cdiv(last + 1 - start, 64)
-        n_pairs = gl.cdiv(n_blocks, 2)
-        fence_async_shared()
-        _barrier()
-        math_args = (qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, p1_s, m0_s, m1_s, l0_s, l1_s, bars,
-                     idx_row, start, end, num_slots, n_pairs, sm_scale_log2,
-                     out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
-                     stride_ot, stride_oh, stride_lt, stride_lh)
-        prod_args = (kv_ptr, idx_row, start, end, num_slots, block_size, stride_kvb, stride_kvt, n_pairs,
-                     kA_s, kB_s, kC_s, kD_s, kr_s, bars)
-        # (a partition gets its arguments as values: the math warpgroup's number reaches it through its function)
-        gl.warp_specialize([(_ws_producer, prod_args), (_ws_math0, math_args), (_ws_math1, math_args)],
-                           [4, 4], [WS_MATH_REGS, WS_MATH_REGS])
+            n_blocks = gl.cdiv(_last_valid(idx_row, start, end, num_slots, 4) + 1 - start, 64)
+        if IS_FP8:
+            # alpha per buffer (WG0's rescale factor for WG1), the final row max and sum; mbarriers 0/1: buffer
+            # ready (the producer), 2/3: buffer free (both math warpgroups), 4/5: P and alpha of the buffer's block
+            # (WG0), 6: the row max and sum (WG0)
+            a_s = gl.allocate_shared_memory(gl.float32, [2, 64], V1)
+            ml_s = gl.allocate_shared_memory(gl.float32, [2, 64], V1)
+            bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(7):
+                mbarrier.init(bars.index(i), count=2 if i == 2 or i == 3 else 1)
+            fence_async_shared()
+            _barrier()
+            math_args = (qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars,
+                         idx_row, start, end, num_slots, n_blocks, sm_scale_log2,
+                         out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                         stride_ot, stride_oh, stride_lt, stride_lh)
+            prod_args = (kv_ptr, idx_row, start, end, num_slots, block_size, stride_kvb, stride_kvt, n_blocks,
+                         kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars)
+            gl.warp_specialize([(_ws8_producer, prod_args), (_ws8_math0, math_args), (_ws8_math1, math_args)],
+                               [4, 4], [WS8_SCORE_REGS, WS8_PV_REGS])
+        else:
+            # P0 (WG0's block, read by WG1's P.V) lives in buffer 0's rope columns: only WG0's scores read those,
+            # and the producer refills them after WG1's P.V is done (FlashMLA does the same); P1 has its own buffer
+            p1_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SH)
+            m0_s = gl.allocate_shared_memory(gl.float32, [64], V1)
+            m1_s = gl.allocate_shared_memory(gl.float32, [64], V1)
+            l0_s = gl.allocate_shared_memory(gl.float32, [64], V1)
+            l1_s = gl.allocate_shared_memory(gl.float32, [64], V1)
+            # 0-3: ready (buffer 0 L, 0 R, 1 L, 1 R; every producer thread arrives), 4-7: free (same order),
+            # 8/9: WG0's max / the final max, 10/11: P0 / P1 in shared memory, 12/13: row sums
+            bars = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(4):
+                mbarrier.init(bars.index(i), count=128)
+            for i in gl.static_range(4, 14):
+                mbarrier.init(bars.index(i), count=1)
+            n_pairs = gl.cdiv(n_blocks, 2)
+            fence_async_shared()
+            _barrier()
+            math_args = (qN_s, qR_s, kA_s, kB_s, kC_s, kD_s, kr_s, p1_s, m0_s, m1_s, l0_s, l1_s, bars,
+                         idx_row, start, end, num_slots, n_pairs, sm_scale_log2,
+                         out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
+                         stride_ot, stride_oh, stride_lt, stride_lh)
+            prod_args = (kv_ptr, idx_row, start, end, num_slots, block_size, stride_kvb, stride_kvt, n_pairs,
+                         kA_s, kB_s, kC_s, kD_s, kr_s, bars)
+            # (a partition gets its arguments as values: the math warpgroup's number reaches it through its function)
+            gl.warp_specialize([(_ws_producer, prod_args), (_ws_math0, math_args), (_ws_math1, math_args)],
+                               [4, 4], [WS_MATH_REGS, WS_MATH_REGS])
 else:  # pragma: no cover
     _sparse_mla_fwd_sm90_kernel = None
     _sparse_mla_fwd_sm90_ws_kernel = None

@@ -33,17 +33,17 @@ def gluon_tiles() -> list[tuple]:
 
 
 def main() -> None:
-    print(json.dumps(dict(triton=triton.__version__, ws=G.WS)), flush=True)
+    print(json.dumps(dict(triton=triton.__version__, ws=G.WS, ws_fp8=G.WS_FP8)), flush=True)
     for fmt, tile in gluon_tiles():
         c = M.SparseMLAConfig.from_tile(tile)
-        if c.ws and not G.WS:  # this Triton's warp_specialize has the older signature: the launcher refuses it
+        if c.ws and not M.ws_builds(fmt):  # the launcher refuses it with this Triton (sparse_mla_sm90.WS, WS_FP8)
             continue
         fn = G._sparse_mla_fwd_sm90_ws_kernel if c.ws else G._sparse_mla_fwd_sm90_kernel
         assert type(fn).__name__ == "GluonJITFunction", type(fn)
         fp8 = fmt == "fp8_ds_mla"
-        for split in (False, True):
+        for split in (False, True):  # (the ws tile's stores are predicated: the launcher passes SPLIT=False)
             sig = signature(fn, fwd_pointer_types(fmt, split), FLOATS)
-            consts = dict(IS_FP8=fp8, FP8_NATIVE=True, SPLIT=split, DOT_F32=False, BLOCK_H=c.block_h, SKIP_TAIL=True,
+            consts = dict(IS_FP8=fp8, FP8_NATIVE=True, SPLIT=split and not c.ws, DOT_F32=False, BLOCK_H=c.block_h, SKIP_TAIL=True,
                           BLOCK_N=c.block_n, DV_SPLIT=c.dv_split, FP8_POST=False, PAGED=False,
                           NUM_BUF=c.num_stages, P_SWIZZLE=min(128, 2 * c.block_n))
             r = cross_compile(fn, sig, consts, 90, num_warps=c.num_warps, num_stages=1, divisible_by_16=DIVISIBLE)

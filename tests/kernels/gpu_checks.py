@@ -73,7 +73,8 @@ MLA = [
     (413, "fp8_ds_mla", 128, 2048, 20, 64, 40),  # the same two on an fp8_ds_mla cache (its Gluon tile)
     (414, "fp8_ds_mla", 100, 301, 17, 1, 400),
     # sm_90 small batches (bench/small_batch.py): bf16 Gluon from 5 rows (here 128 heads x 3 tokens); fp8 the
-    # 64-head Triton tile from 3 rows, where the latency tile was, and its Gluon tile from 10
+    # warp-specialised tile from 3 rows (where Triton has no warp_specialize: the 64-head Triton tile, and the
+    # 8-warp Gluon tile from 10)
     (415, "bf16", 128, 2048, 3, 64, 40),
     (416, "fp8_ds_mla", 64, 2048, 3, 64, 40),
     (417, "fp8_ds_mla", 64, 2048, 10, 64, 40),

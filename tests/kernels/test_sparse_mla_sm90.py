@@ -47,24 +47,30 @@ def test_gluon_kernel_cross_compiles_for_sm90_as_designed(tri):
                           timeout=900)
     assert proc.returncode == 0, f"Gluon cross-compile under {tri} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     head, *rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    # the warp-specialised tile where this Triton's warp_specialize takes [(function, args), ...] (3.6 on)
+    # the warp-specialised tile where this Triton's warp_specialize takes [(function, args), ...] (3.6 on); its
+    # fp8_ds_mla schedule up to Triton 3.8 (3.9 spills it: sparse_mla_sm90.WS_FP8)
     assert head["ws"] == (tri != "3.5.1"), head
+    assert head["ws_fp8"] == (head["ws"] and tuple(int(x) for x in head["triton"].split(".")[:2]) < (3, 9)), head
     tiles = {(f, str(M.SparseMLAConfig.from_tile(t))) for f in M.KV_FORMATS
              for t in M.candidate_tiles((9, 0), f) + M.FOCUS_TILES.get(f, []) if t[6]}
     assert {f for f, _ in tiles} == set(M.KV_FORMATS) and any(M.SparseMLAConfig.from_string(t).ws for _, t in tiles)
-    if not head["ws"]:
-        tiles = {(f, t) for f, t in tiles if not M.SparseMLAConfig.from_string(t).ws}
+    tiles = {(f, t) for f, t in tiles if not M.SparseMLAConfig.from_string(t).ws
+             or head["ws_fp8" if f == "fp8_ds_mla" else "ws"]}
     assert {(r["fmt"], r["tile"]) for r in rows} == tiles and len(rows) == 2 * len(tiles)  # split and unsplit
     for r in rows:
         c = M.SparseMLAConfig.from_string(r["tile"])
         what = f"triton {r['triton']} {r['tile']} split={r['split']}: {r}"
         assert r["shared"] <= r["limit"] and not (r["spill_stores"] or r["spill_loads"] or r["traps"]), what
         if c.ws:
-            # the launcher's figure bounds the compiler's (whose scratch differs by a few bytes, split or not);
-            # per math warpgroup: the scores of its own 64-key block over K = 576 (36 steps of m64n64k16) and
-            # its 256 output columns as two 128-column tiles over its own block and the other's (2 x 2 x 4 steps)
-            assert G.ws_shared_bytes() - 64 <= r["shared"] <= G.ws_shared_bytes() <= r["limit"], what
-            assert r["wgmma"] == {"m64n64k16": 2 * 36, "m64n128k16": 2 * 16}, what
+            # the launcher's figure bounds the compiler's (whose scratch differs by a few bytes, split or not)
+            fp8 = r["fmt"] == "fp8_ds_mla"
+            assert G.ws_shared_bytes(fp8) - 64 <= r["shared"] <= G.ws_shared_bytes(fp8) <= r["limit"], what
+            if fp8:  # WG0: every block's scores over K = 576 (36 steps of m64n64k16) and output columns 0-255 as
+                # two 128-column tiles over K = 64 (2 x 4 steps); WG1: columns 256-511 the same way
+                assert r["wgmma"] == {"m64n64k16": 36, "m64n128k16": 2 * 8}, what
+            else:  # per math warpgroup: the scores of its own 64-key block (36 steps of m64n64k16) and its 256
+                # output columns as two 128-column tiles over its own block and the other's (2 x 2 x 4 steps)
+                assert r["wgmma"] == {"m64n64k16": 2 * 36, "m64n128k16": 2 * 16}, what
             continue
         # the launcher's shared-memory rule (sparse_mla._check_gluon) is the compiler's figure
         assert r["shared"] == G.shared_bytes(r["fmt"] == "fp8_ds_mla", c.block_n, c.num_stages), what
@@ -92,10 +98,11 @@ def test_choose_config_takes_the_gluon_tile_from_gluon_min_rows(H, fmt):
     groups = -(-H // 64)
     for T in (1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 16, 23, 24, 33, 128, 4096):
         c = M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=True)
-        assert c.gluon == (T * groups >= M.GLUON_MIN_ROWS[fmt]), (T, H, c)
-        # from GLUON_WS_MIN_ROWS rows (bf16 only) the warp-specialised tile, where this Triton builds it
-        ws = M._WS and T * groups >= M.GLUON_WS_MIN_ROWS.get(fmt, 10 ** 9)
+        # from GLUON_WS_MIN_ROWS rows the warp-specialised tile, where this Triton builds it; else the 8-warp
+        # Gluon tile from GLUON_MIN_ROWS
+        ws = M.ws_builds(fmt) and T * groups >= M.GLUON_WS_MIN_ROWS[fmt]
         assert c.ws == ws, (T, H, c)
+        assert c.gluon == (ws or T * groups >= M.GLUON_MIN_ROWS[fmt]), (T, H, c)
         if c.gluon:
             table = M._GLUON_WS_TUNING if ws else M._GLUON_TUNING
             assert c.tile == table[("sm90", fmt, 64)].config.tile and c.num_splits >= 1
@@ -116,6 +123,7 @@ def test_small_batch_tiles_at_64_heads_on_sm90():
     lat = {f: M._LATENCY_TUNING[("sm90", f)].config.tile for f in M.KV_FORMATS}
     thr = {f: M._THROUGHPUT_TUNING[("sm90", f, 64)].config.tile for f in M.KV_FORMATS}
     glu = {f: M._GLUON_TUNING[("sm90", f, 64)].config.tile for f in M.KV_FORMATS}
+    ws8 = M._GLUON_WS_TUNING[("sm90", "fp8_ds_mla", 64)].config.tile
 
     def tile(T, fmt, H=64, gluon=True):
         return M.choose_config(T, H, 2048, fmt, capability=(9, 0), gluon=gluon).tile
@@ -123,11 +131,18 @@ def test_small_batch_tiles_at_64_heads_on_sm90():
     # bf16: the latency tile for 1-4 tokens, the Gluon tile from 5 rows (at 128 heads: 3 tokens)
     assert [tile(T, "bf16") for T in (1, 2, 3, 4, 5, 6)] == [lat["bf16"]] * 4 + [glu["bf16"]] * 2
     assert tile(2, "bf16", H=128) == lat["bf16"] and tile(3, "bf16", H=128) == glu["bf16"]
-    # fp8_ds_mla: the latency tile up to 2 rows; the 64-head Triton tile for 3-9 rows; Gluon from 10
-    assert [tile(T, "fp8_ds_mla") for T in (1, 2, 3, 4, 9, 10)] == (
-        [lat["fp8_ds_mla"]] * 2 + [thr["fp8_ds_mla"]] * 3 + [glu["fp8_ds_mla"]])
-    assert tile(1, "fp8_ds_mla", H=128) == lat["fp8_ds_mla"] and tile(2, "fp8_ds_mla", H=128) == thr["fp8_ds_mla"]
-    assert tile(5, "fp8_ds_mla", H=128) == glu["fp8_ds_mla"]
+    # fp8_ds_mla: the latency tile up to 2 rows; then the warp-specialised tile (H100, stop 40: 1.09-1.32x the
+    # Triton tile at 3-16 rows); where this Triton has no warp_specialize, the 64-head Triton tile for 3-9 rows and
+    # the 8-warp Gluon tile from 10 (H200, stop 33)
+    ts = (1, 2, 3, 4, 9, 10)
+    if G.WS_FP8:
+        assert [tile(T, "fp8_ds_mla") for T in ts] == [lat["fp8_ds_mla"]] * 2 + [ws8] * 4
+        assert tile(1, "fp8_ds_mla", H=128) == lat["fp8_ds_mla"] and tile(2, "fp8_ds_mla", H=128) == ws8
+    else:  # pragma: no cover - Triton 3.5 or 3.9 on
+        assert [tile(T, "fp8_ds_mla") for T in ts] == (
+            [lat["fp8_ds_mla"]] * 2 + [thr["fp8_ds_mla"]] * 3 + [glu["fp8_ds_mla"]])
+        assert tile(1, "fp8_ds_mla", H=128) == lat["fp8_ds_mla"] and tile(2, "fp8_ds_mla", H=128) == thr["fp8_ds_mla"]
+        assert tile(5, "fp8_ds_mla", H=128) == glu["fp8_ds_mla"]
     # without Gluon the fp8 rule stands; bf16 keeps the sm_count / 8 latency regime
     assert tile(4, "fp8_ds_mla", gluon=False) == thr["fp8_ds_mla"] and tile(4, "bf16", gluon=False) == lat["bf16"]
     # the rule is sm_90's and the 64-head bucket's: 16 and 32 heads and the other families keep the latency tile
@@ -190,7 +205,6 @@ def test_a_gluon_config_is_refused_in_one_line_where_it_cannot_run(config, why):
     (dict(capability=(8, 9)), "sm_90 kernel"),
     (dict(capability=(12, 0)), "sm_90 kernel"),
     (dict(config="h32n64s1w8p2g"), "64-head"),
-    (dict(config="h64n64s1w4p2g", kv_format="fp8_ds_mla"), "warp-specialised tile \\(4 warps\\) reads bf16"),
     (dict(config="h64n64s1w4p3g"), "h64n64 with 2 buffers"),
     (dict(config="h64n32s1w4p2g"), "h64n64 with 2 buffers"),
     (dict(config="h64n64s1w4p2d2g"), "without d2 or f"),
@@ -211,6 +225,25 @@ def test_check_gluon_names_what_it_does_not_do(kw, why, monkeypatch):
     M._check_gluon(M.SparseMLAConfig.from_string("h64n32s3w8p5g"), "fp8_ds_mla", (9, 0))
     if G.WS:
         M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w4p2g"), "bf16", (9, 0))
+    if G.WS_FP8:
+        M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w4p2g"), "fp8_ds_mla", (9, 0))
+
+
+def test_check_gluon_refuses_the_fp8_ws_tile_where_its_triton_spills_it(monkeypatch):
+    monkeypatch.setattr(M, "INTERPRETED", False)
+    monkeypatch.setattr(M, "_WS", True)
+    monkeypatch.setattr(M, "_WS_FP8", False)
+    with pytest.raises(ValueError, match="fp8_ds_mla schedule spills under Triton") as e:
+        M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w4p2g"), "fp8_ds_mla", (9, 0))
+    assert "\n" not in str(e.value)
+    M._check_gluon(M.SparseMLAConfig.from_string("h64n64s3w4p2g"), "bf16", (9, 0))  # bf16's schedule stays
+    M.choose_config.cache_clear()
+    try:
+        c = M.choose_config(128, 64, 2048, "fp8_ds_mla", capability=(9, 0), gluon=True)
+        assert c.gluon and not c.ws, c  # the 8-warp tile there
+        assert M.choose_config(128, 64, 2048, "bf16", capability=(9, 0), gluon=True).ws
+    finally:
+        M.choose_config.cache_clear()
 
 
 @pytest.fixture
