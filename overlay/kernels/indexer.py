@@ -432,6 +432,7 @@ GLUON_DEFAULT = _GLUON and not INTERPRETED and _gluon_wanted()
 # fp8_paged_mqa_logits plans a call once per (shapes, strides, dtypes, devices, lengths) key, as
 # sparse_mla_attention does (see there): on where every launcher launches directly.
 _PAGED_PLANS = PlanTable(LAUNCHERS)
+_PREFILL_PLANS = PlanTable(LAUNCHERS)  # fp8_mqa_logits: the same, keyed on shapes, strides, dtypes and max_seqlen_k
 
 MAX_HEADS = 128
 SUPPORTED_CAPABILITIES = ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
@@ -810,70 +811,118 @@ def fp8_mqa_logits(
     `_config` (a PrefillConfig, or a dict of its fields to override in the default) and `_out` (a
     preallocated [M, N] or [M, max_seqlen_k] float32 result) are for tests and benchmarks.
     """
-    k, k_scales = kv
-    if q.dim() != 3:
-        _fail(f"q must be [M, H, D], got shape {tuple(q.shape)}")
-    M, H, D = q.shape
-    if D != HEAD_DIM:
-        _fail(f"q head dim must be {HEAD_DIM}, got {D}")
-    if not (1 <= H <= MAX_HEADS):
-        _fail(f"q must have 1..{MAX_HEADS} index heads, got {H}")
-    if q.dtype in _PACKED_FP4 or k.dtype in _PACKED_FP4:
-        _fp4_unsupported("q" if q.dtype in _PACKED_FP4 else "kv")
-    if q.dtype != _FP8:
-        _fail(f"q must be torch.float8_e4m3fn, got {q.dtype}")
-    if k.dtype != _FP8:
-        _fail(f"kv[0] (k) must be torch.float8_e4m3fn, got {k.dtype}")
-    if not (k.dim() == 2 and k.shape[1] == D):
-        _fail(f"kv[0] (k) must be [N, {D}], got {tuple(k.shape)}")
-    N = k.shape[0]
-    k_scales = k_scales.reshape(-1)
-    if not (k_scales.numel() == N and k_scales.dtype == torch.float32):
-        _fail(f"kv[1] (k_scales) must be [N={N}] float32, got {tuple(k_scales.shape)} {k_scales.dtype}")
-    if weights.shape != (M, H):
-        _fail(f"weights must be [M={M}, H={H}], got {tuple(weights.shape)}")
-    if not (cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,)):
-        _fail(f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
-              f"and {tuple(cu_seqlen_ke.shape)}")
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k.stride(1) != 1:
-        k = k.contiguous()
-    k_scales = k_scales.contiguous()
-    ks = cu_seqlen_ks.to(torch.int32).contiguous()
-    ke = cu_seqlen_ke.to(torch.int32).contiguous()
+    key = _prefill_key(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k, _config, _out)
+    plan = _PREFILL_PLANS.get(key)
+    if plan is None:  # checks every argument; a repeat call with the same key (every layer of a chunk) reuses it
+        plan = _PREFILL_PLANS.keep(key, _PrefillPlan(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
+                                                     max_seqlen_k, _config, _out))
+    return plan.run(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, _out)
 
-    if max_seqlen_k is not None:
-        if clean_logits:
-            _fail("clean_logits=True has no meaning with max_seqlen_k (the compressed rows' tails are "
-                  "never read)")
-        if int(max_seqlen_k) < 0:
-            _fail(f"max_seqlen_k must be >= 0, got {max_seqlen_k}")
-    width = N if max_seqlen_k is None else int(max_seqlen_k)
-    logits = _result(_out, (M, width), q.device)
-    if M == 0 or N == 0 or width == 0:
+
+def _prefill_key(q, kv, weights, ks, ke, clean_logits, max_seqlen_k, config, out):
+    if not _PREFILL_PLANS.on or config is not None:
+        return None
+    try:
+        k, k_scales = kv
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k_scales.shape,
+               k_scales.stride(), k_scales.dtype, weights.shape, weights.stride(), weights.dtype, ks.shape,
+               ks.stride(), ks.dtype, ke.shape, ke.stride(), ke.dtype, bool(clean_logits),
+               None if max_seqlen_k is None else int(max_seqlen_k),
+               None if out is None else (out.shape, out.stride(), out.dtype))
+    except (AttributeError, TypeError, ValueError):  # not tensors: no plan (the checks say what is wrong)
+        return None
+    return key
+
+
+class _PrefillPlan:
+    """One fp8_mqa_logits call's checked arguments and launch (one per distinct shape: in vLLM every layer of a
+    prefill chunk repeats the first layer's call)."""
+
+    def __init__(self, q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k, config, out):
+        k, k_scales = kv
+        if q.dim() != 3:
+            _fail(f"q must be [M, H, D], got shape {tuple(q.shape)}")
+        M, H, D = q.shape
+        if D != HEAD_DIM:
+            _fail(f"q head dim must be {HEAD_DIM}, got {D}")
+        if not (1 <= H <= MAX_HEADS):
+            _fail(f"q must have 1..{MAX_HEADS} index heads, got {H}")
+        if q.dtype in _PACKED_FP4 or k.dtype in _PACKED_FP4:
+            _fp4_unsupported("q" if q.dtype in _PACKED_FP4 else "kv")
+        if q.dtype != _FP8:
+            _fail(f"q must be torch.float8_e4m3fn, got {q.dtype}")
+        if k.dtype != _FP8:
+            _fail(f"kv[0] (k) must be torch.float8_e4m3fn, got {k.dtype}")
+        if not (k.dim() == 2 and k.shape[1] == D):
+            _fail(f"kv[0] (k) must be [N, {D}], got {tuple(k.shape)}")
+        N = k.shape[0]
+        k_scales = k_scales.reshape(-1)
+        if not (k_scales.numel() == N and k_scales.dtype == torch.float32):
+            _fail(f"kv[1] (k_scales) must be [N={N}] float32, got {tuple(k_scales.shape)} {k_scales.dtype}")
+        if weights.shape != (M, H):
+            _fail(f"weights must be [M={M}, H={H}], got {tuple(weights.shape)}")
+        if not (cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,)):
+            _fail(f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
+                  f"and {tuple(cu_seqlen_ke.shape)}")
+        if max_seqlen_k is not None:
+            if clean_logits:
+                _fail("clean_logits=True has no meaning with max_seqlen_k (the compressed rows' tails are "
+                      "never read)")
+            if int(max_seqlen_k) < 0:
+                _fail(f"max_seqlen_k must be >= 0, got {max_seqlen_k}")
+        # what a call copies or converts (fixed by the key's strides and dtypes)
+        self.copy_q, self.copy_k = q.stride(2) != 1, k.stride(1) != 1
+        self.copy_ks = not k_scales.is_contiguous()
+        self.int_ks = not (cu_seqlen_ks.dtype == torch.int32 and cu_seqlen_ks.is_contiguous())
+        self.int_ke = not (cu_seqlen_ke.dtype == torch.int32 and cu_seqlen_ke.is_contiguous())
+        width = N if max_seqlen_k is None else int(max_seqlen_k)
+        self.shape = (M, width)
+        if out is not None:
+            _result(out, self.shape, q.device)
+        self.empty = M == 0 or N == 0 or width == 0
+        if self.empty:
+            return
+        if self.copy_q:
+            q = q.contiguous()
+        if self.copy_k:
+            k = k.contiguous()
+        capability, num_sms = _device_info(q.device)
+        cfg = _with_overrides(prefill_config(capability, H), config)
+        if max_seqlen_k is not None:
+            cfg = replace(cfg, COMPRESS=True)
+        bn, bt = cfg.BLOCK_N, cfg.BT
+        m_groups = _cdiv(M, bt)
+        n_tiles = _cdiv(N, bn)
+        splits = cfg.splits or max(1, min(n_tiles, _cdiv(4 * num_sms, m_groups)))
+        n_per_split = _cdiv(n_tiles, splits) * bn
+        splits = _cdiv(N, n_per_split)
+        self.u8 = cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32)  # sm_80/86 Triton has no e4m3 type: raw bytes
+        out_stride = width if out is None else out.stride(0)
+        self.grid = (m_groups, splits)
+        self.ints = (M, N, H, q.stride(0), q.stride(1), k.stride(0), weights.stride(0), weights.stride(1),
+                     out_stride, n_per_split, int(bool(clean_logits)), width)
+        self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.kept = _Kept(_prefill_launch)
+
+    def run(self, q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, out):
+        logits = torch.empty(self.shape, dtype=torch.float32, device=q.device) if out is None else out
+        if self.empty:
+            return logits
+        k, k_scales = kv
+        k_scales = k_scales.reshape(-1)
+        if self.copy_q:
+            q = q.contiguous()
+        if self.copy_k:
+            k = k.contiguous()
+        if self.copy_ks:
+            k_scales = k_scales.contiguous()
+        ks = cu_seqlen_ks.to(torch.int32).contiguous() if self.int_ks else cu_seqlen_ks
+        ke = cu_seqlen_ke.to(torch.int32).contiguous() if self.int_ke else cu_seqlen_ke
+        if self.u8:
+            q, k = q.view(torch.uint8), k.view(torch.uint8)
+        t = (q, k, k_scales, weights, ks, ke, logits)
+        self.kept(self.grid, t, t + self.ints, self.kw)
         return logits
-    capability, num_sms = _device_info(q.device)
-    cfg = _with_overrides(prefill_config(capability, H), _config)
-    if max_seqlen_k is not None:
-        cfg = replace(cfg, COMPRESS=True)
-    bn, bt = cfg.BLOCK_N, cfg.BT
-    m_groups = _cdiv(M, bt)
-    n_tiles = _cdiv(N, bn)
-    splits = cfg.splits or max(1, min(n_tiles, _cdiv(4 * num_sms, m_groups)))
-    n_per_split = _cdiv(n_tiles, splits) * bn
-    splits = _cdiv(N, n_per_split)
-    if cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32):
-        q, k = q.view(torch.uint8), k.view(torch.uint8)
-    _prefill_launch(
-        (m_groups, splits), q, k, k_scales, weights, ks, ke, logits,
-        M, N, H,
-        q.stride(0), q.stride(1), k.stride(0), weights.stride(0), weights.stride(1),
-        logits.stride(0),
-        n_per_split, int(bool(clean_logits)), width,
-        D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return logits
 
 
 def fp8_fp4_mqa_logits(

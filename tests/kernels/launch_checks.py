@@ -194,12 +194,27 @@ def _unplanned(call):
         x.enabled = False
     reset_plans()  # no launcher launches directly: planning off
     try:
-        assert not SM._PLANS.on and not IX._PAGED_PLANS.on
+        assert not SM._PLANS.on and not IX._PAGED_PLANS.on and not IX._PREFILL_PLANS.on
         return call()
     finally:
         for x, e in zip(launchers, saved):
             x.enabled = e
         reset_plans()
+
+
+def _planned_repeat(fake, table, call):
+    """Fresh launchers and plans, then `call` twice: the first plans (its launches go through the launchers), the
+    second runs the plan. -> (the second call's launch records, its result); every one of them was direct."""
+    _fresh_module_launchers()
+    assert table.on
+    call()
+    n = len(fake.launches)
+    direct = sum(x.direct_calls for x in IX.LAUNCHERS)
+    result = call()
+    planned = fake.launches[n:]
+    assert planned and sum(x.direct_calls for x in IX.LAUNCHERS) - direct == len(planned)
+    assert len(table) == 1
+    return planned, result
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["slot-ids", "request-local-q-pair"])
@@ -301,18 +316,57 @@ def test_a_planned_repeat_paged_logits_call_launches_what_the_jit_entry_launches
         return IX.fp8_paged_mqa_logits(q, kv, w, lens, bt, None, 4 * bs * 2, False)
 
     with fake_triton() as fake:
-        _fresh_module_launchers()
-        assert IX._PAGED_PLANS.on
-        call()
-        n = len(fake.launches)
-        direct = sum(x.direct_calls for x in IX.LAUNCHERS)
-        call()
-        planned = fake.launches[n:]
-        assert planned and sum(x.direct_calls for x in IX.LAUNCHERS) - direct == len(planned)
-        assert len(IX._PAGED_PLANS) == 1
+        planned, _ = _planned_repeat(fake, IX._PAGED_PLANS, call)
         n = len(fake.launches)
         _unplanned(call)
         _same_launches(planned, fake.launches[n:])
         off = cache[1:1 + 6 * bs * (D + 4)].view(6, bs, 1, D + 4)   # same shape and strides, 1 byte off
         with pytest.raises(ValueError, match="16-byte aligned"):
             call(off)
+
+
+@pytest.mark.parametrize("case", ["contiguous", "strided-k-int64-ranges", "compressed-out"])
+def test_a_planned_repeat_prefill_logits_call_launches_what_the_jit_entry_launches(monkeypatch, case):
+    """fp8_mqa_logits plans too (in vLLM every layer of a prefill chunk repeats the first layer's shapes): a repeat
+    call launches the kept binary with the arguments Triton's JIT entry passes for it, the copies and int32
+    conversions the key's strides and dtypes call for included; other shapes are another plan."""
+    monkeypatch.setattr(IX, "_device_info", lambda device: ((9, 0), 132))
+    g = torch.Generator().manual_seed(len(case))
+    M, N, H, D = 37, 300, 32, 128
+    q = torch.randn(M, H, D, generator=g).to(torch.float8_e4m3fn)
+    k = torch.randn(N, D, generator=g).to(torch.float8_e4m3fn)
+    scales = torch.rand(N, 1, generator=g) + 0.5
+    w = torch.randn(M, H, generator=g)
+    ks = torch.randint(0, N // 2, (M,), generator=g, dtype=torch.int32)
+    ke = ks + torch.randint(1, N // 2, (M,), generator=g, dtype=torch.int32)
+    kw = {}
+    if case == "strided-k-int64-ranges":
+        k = torch.randn(N, 2 * D, generator=g).to(torch.float8_e4m3fn)[:, ::2]   # last dim not contiguous
+        ks, ke = ks.long(), ke.long()
+    if case == "compressed-out":
+        kw = dict(max_seqlen_k=N // 2, _out=torch.empty(M, N // 2 + 3)[:, :N // 2])
+
+    def call(m=M, wm=M):
+        return IX.fp8_mqa_logits(q[:m], (k, scales), w[:wm], ks[:m], ke[:m], False, **kw)
+
+    with fake_triton() as fake:
+        planned, logits = _planned_repeat(fake, IX._PREFILL_PLANS, call)
+        assert len(planned) == 1
+        a = planned[0][5]   # what the kernel gets: q, k, scales, weights, ks, ke, logits, then the integers
+        width = kw.get("max_seqlen_k", N)
+        assert a[0] is q[:M] or a[0].data_ptr() == q.data_ptr()
+        assert a[1].stride() == (D, 1) and torch.equal(a[1].view(torch.uint8), k.contiguous().view(torch.uint8))
+        assert a[2].shape == (N,) and a[2].data_ptr() == scales.data_ptr()
+        assert a[4].dtype == a[5].dtype == torch.int32 and torch.equal(a[4], ks.int()) and torch.equal(a[5], ke.int())
+        assert a[6] is logits and logits.shape == (M, width)
+        assert a[7:16] == (M, N, H, H * D, D, D, H, 1, logits.stride(0)) and a[17:19] == (0, width)
+        n = len(fake.launches)
+        _unplanned(call)
+        _same_launches(planned, fake.launches[n:])
+        assert len(IX._PREFILL_PLANS) == 0   # switching launchers dropped the plans
+        call()
+        if "_out" not in kw:
+            call(M - 5, M - 5)   # another chunk size: another plan (its checks run again)
+            assert len(IX._PREFILL_PLANS) == 2
+        with pytest.raises(ValueError, match=r"weights must be \[M=32"):
+            call(32, M)  # a bad call is refused, planned or not
