@@ -140,6 +140,27 @@ if GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _row_offsets(slot, valid, block_size, stride_kvb, stride_kvt):
+        """Byte (element) offsets of the cache rows of ``slot`` (block slot // block_size, row slot % block_size);
+        an invalid slot's offset is slot 0's (its reads are masked)."""
+        s = gl.where(valid, slot, 0)
+        blk = s // block_size
+        return blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
+
+    @gluon.jit
+    def _row_scales(kv_ptr, row, valid):
+        """The four fp32 tile scales of each row at offset ``row`` (16 bytes after its e4m3 bytes); 0 for invalid
+        rows."""
+        sc = (kv_ptr + row + 512).to(gl.pointer_type(gl.float32))
+        return (gl.load(sc, mask=valid, other=0.0), gl.load(sc + 1, mask=valid, other=0.0),
+                gl.load(sc + 2, mask=valid, other=0.0), gl.load(sc + 3, mask=valid, other=0.0))
+
+    @gluon.jit
+    def _e4m3_times(x, scale):
+        """e4m3 bytes (uint8) times their row scales, as the bf16 wgmma operand."""
+        return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16)
+
+    @gluon.jit
     def _gather_block_fp8(kv_ptr, slot, valid, slot_r, valid_r, block_size, stride_kvb, stride_kvt,
                           rawA_s, rawB_s, rawC_s, rawD_s, kr_s, buf, DQ: gl.constexpr, LR: gl.constexpr):
         """fp8_ds_mla cache: start the cp.async gathers of one block's rows (one commit group): the 512 e4m3 bytes
@@ -147,9 +168,7 @@ if GLUON:
         later reads the bytes it copied), the 64 bf16 rope values into kr_s[buf] (a wgmma operand as they are).
         ``slot`` / ``valid``: the block's slots in SliceLayout(1, DQ) and (``_r``) SliceLayout(1, LR); an invalid
         slot reads nothing (zero-filled), as in _gather_block."""
-        s = gl.where(valid, slot, 0)
-        blk = s // block_size
-        row = blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
+        row = _row_offsets(slot, valid, block_size, stride_kvb, stride_kvt)
         b = gl.arange(0, 128, layout=gl.SliceLayout(0, DQ))
         base = kv_ptr + row[:, None] + b[None, :]
         m = valid[:, None]
@@ -157,9 +176,7 @@ if GLUON:
         _cp_async(rawB_s.index(buf), base + 128, mask=m)
         _cp_async(rawC_s.index(buf), base + 256, mask=m)
         _cp_async(rawD_s.index(buf), base + 384, mask=m)
-        s = gl.where(valid_r, slot_r, 0)
-        blk = s // block_size
-        row = blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
+        row = _row_offsets(slot_r, valid_r, block_size, stride_kvb, stride_kvt)
         r = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
         rope = (kv_ptr + row + 528).to(gl.pointer_type(gl.bfloat16))
         _cp_async(kr_s.index(buf), rope[:, None] + r[None, :], mask=valid_r[:, None])
@@ -167,21 +184,15 @@ if GLUON:
 
     @gluon.jit
     def _scales(kv_ptr, slot, valid, block_size, stride_kvb, stride_kvt):
-        """The four fp32 tile scales of each row of a block (16 bytes after its e4m3 bytes); 0 for invalid rows."""
-        s = gl.where(valid, slot, 0)
-        blk = s // block_size
-        row = blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
-        sc = (kv_ptr + row + 512).to(gl.pointer_type(gl.float32))
-        return (gl.load(sc, mask=valid, other=0.0), gl.load(sc + 1, mask=valid, other=0.0),
-                gl.load(sc + 2, mask=valid, other=0.0), gl.load(sc + 3, mask=valid, other=0.0))
+        """The four fp32 tile scales of each row of a block; 0 for invalid rows."""
+        return _row_scales(kv_ptr, _row_offsets(slot, valid, block_size, stride_kvb, stride_kvt), valid)
 
     @gluon.jit
     def _dequant_chunk(raw, kN, scale, DQ: gl.constexpr):
         """One 128-column chunk of a block: its e4m3 bytes (raw, [BLOCK_N, 128]) times their row scales into the
         bf16 wgmma operand kN. In the layout DQ warpgroup w reads and writes columns [64 w, 64 w + 64) only: the
         columns of kN that its own P.V wgmma reads, so it may overwrite them as soon as its own wgmma is done."""
-        x = raw.load(DQ).to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        kN.store((x * scale[:, None]).to(gl.bfloat16))
+        kN.store(_e4m3_times(raw.load(DQ), scale))
 
     @gluon.jit
     def _softmax_step(s, valid, m_i, l_i, sm_scale_log2):
@@ -671,7 +682,7 @@ if GLUON:
 
     @gluon.jit
     def _ws8_producer(kv_ptr, idx_row, start, end, num_slots, block_size, stride_kvb, stride_kvt, n_blocks,
-                      kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars):
+                      kA_s, kB_s, kC_s, kD_s, kr_s, bars):
         """Per block: its slots (loaded one block ahead), raw bytes, scales and rope values into registers; wait
         until buffer j % 2 is free (parity 1 first: free from the start); dequantise into it; post it."""
         DQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -682,30 +693,24 @@ if GLUON:
         slot, valid = _slots(idx_row, start, end, num_slots, 64, ROWS)
         for j in range(n_blocks):
             b = j & 1
-            s = gl.where(valid, slot, 0)
-            blk = s // block_size
-            row = blk.to(gl.int64) * stride_kvb + (s - blk * block_size).to(gl.int64) * stride_kvt
+            row = _row_offsets(slot, valid, block_size, stride_kvb, stride_kvt)
             base = kv_ptr + row[:, None] + cb[None, :]
             m = valid[:, None]
             xA = gl.load(base, mask=m, other=0)
             xB = gl.load(base + 128, mask=m, other=0)
             xC = gl.load(base + 256, mask=m, other=0)
             xD = gl.load(base + 384, mask=m, other=0)
-            sc = (kv_ptr + row + 512).to(gl.pointer_type(gl.float32))
-            s0 = gl.load(sc, mask=valid, other=0.0)
-            s1 = gl.load(sc + 1, mask=valid, other=0.0)
-            s2 = gl.load(sc + 2, mask=valid, other=0.0)
-            s3 = gl.load(sc + 3, mask=valid, other=0.0)
+            s0, s1, s2, s3 = _row_scales(kv_ptr, row, valid)
             row_r = gl.convert_layout(row, gl.SliceLayout(1, LR))
             valid_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
             rope = (kv_ptr + row_r + 528).to(gl.pointer_type(gl.bfloat16))
             xr = gl.load(rope[:, None] + cr[None, :], mask=valid_r[:, None], other=0.0)
             slot, valid = _slots(idx_row, start + (j + 1) * 64, end, num_slots, 64, ROWS)  # the next block's
             mbarrier.wait(bars.index(2 + b), ((j >> 1) & 1) ^ 1)
-            kA_s.index(b).store((xA.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s0[:, None]).to(gl.bfloat16))
-            kB_s.index(b).store((xB.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s1[:, None]).to(gl.bfloat16))
-            kC_s.index(b).store((xC.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s2[:, None]).to(gl.bfloat16))
-            kD_s.index(b).store((xD.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s3[:, None]).to(gl.bfloat16))
+            kA_s.index(b).store(_e4m3_times(xA, s0))
+            kB_s.index(b).store(_e4m3_times(xB, s1))
+            kC_s.index(b).store(_e4m3_times(xC, s2))
+            kD_s.index(b).store(_e4m3_times(xD, s3))
             kr_s.index(b).store(xr)
             fence_async_shared()
             mbarrier.arrive(bars.index(b))
@@ -848,7 +853,7 @@ if GLUON:
                          out_ptr, lse_ptr, po_ptr, plse_ptr, t, hg, sp, H, num_splits,
                          stride_ot, stride_oh, stride_lt, stride_lh)
             prod_args = (kv_ptr, idx_row, start, end, num_slots, block_size, stride_kvb, stride_kvt, n_blocks,
-                         kA_s, kB_s, kC_s, kD_s, kr_s, a_s, ml_s, bars)
+                         kA_s, kB_s, kC_s, kD_s, kr_s, bars)
             gl.warp_specialize([(_ws8_producer, prod_args), (_ws8_math0, math_args), (_ws8_math1, math_args)],
                                [4, 4], [WS8_SCORE_REGS, WS8_PV_REGS])
         else:
