@@ -21,6 +21,10 @@ overlay first). Results go to throughput.json in the --out folder after every ru
 same --out adds to them), the table to throughput.md beside it:
 
     python3 bench/throughput.py --out $OUT [--runs upstream:bf16,triton:bf16,upstream:fp8_ds_mla,triton:fp8_ds_mla]
+
+``--profile``: after the timed calls, one prefill call and one prefill + decode call again under torch.profiler
+(CUDA activity only: kernels launched from CUDA graphs included); the difference of the two, per kernel name, is
+each kernel's GPU time per decode step, listed per run under the table (where the decode gap is).
 """
 
 from __future__ import annotations
@@ -121,6 +125,41 @@ def measure(generate, batch, decode_steps: int, repeats: int) -> dict:
                 prompt_tokens=prompt_tokens, decode_tokens=len(batch) * decode_steps)
 
 
+def kernel_times(fn) -> dict:
+    """{kernel name: [GPU us, launches]} of everything `fn()` ran on the GPU (torch.profiler, CUDA activity)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times: dict = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:  # torch < 2.4
+            us = evt.self_cuda_time_total
+        if us > 0:
+            t = times.setdefault(evt.key, [0.0, 0])
+            t[0] += us
+            t[1] += evt.count
+    return times
+
+
+def decode_kernels(short: dict, long_: dict, steps: int, top: int = 20) -> dict:
+    """Per decode step, from kernel_times of a prefill call (`short`) and a prefill + `steps` decode steps call
+    (`long_`): {"total_us": GPU us per step, "kernels": [[name, us per step, launches per step], ...]} for the
+    `top` kernels by time (positive differences only: the prefill, identical in both calls, cancels)."""
+    rows = []
+    for name, (us, n) in long_.items():
+        s_us, s_n = short.get(name, (0.0, 0))
+        d = (us - s_us) / steps
+        if d > 0:
+            rows.append([name, round(d, 2), round((n - s_n) / steps, 2)])
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return {"total_us": round(total, 1), "kernels": rows[:top]}
+
+
 def worker(spec: dict) -> dict:
     """One engine (this process): the spec's run, measured. vLLM is imported here only."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -157,6 +196,10 @@ def worker(spec: dict) -> dict:
     res = measure(generate, batch, spec["decode_steps"], spec["repeats"])
     import torch
 
+    if spec.get("profile"):
+        short = kernel_times(lambda: generate(batch, 1))
+        long_ = kernel_times(lambda: generate(batch, 1 + spec["decode_steps"]))
+        res["decode_kernels"] = decode_kernels(short, long_, spec["decode_steps"])
     res.update(startup_s=startup, vendor_calls=vendor_calls, device=torch.cuda.get_device_name())
     return res
 
@@ -207,6 +250,13 @@ def report(results: dict, meta: dict) -> str:
                       if res.get("vendor_calls") else "vendor calls not counted (the vendor path)")
             lines.append(f"- {name}: startup {res.get('startup_s')} s, prefill {res['prefill_s']}, generate "
                          f"{res['generate_s']}, {vendor}, engine process {res.get('wall_s')} s")
+    for name, res in results.items():
+        prof = res.get("decode_kernels")
+        if not prof:
+            continue
+        lines += ["", f"GPU time per decode step, {name} (torch.profiler, the prefill call subtracted): "
+                      f"{prof['total_us']:.1f} us in all", "", "| kernel | us / step | launches / step |", "|---|---|---|"]
+        lines += [f"| `{k[:100]}` | {us:.1f} | {n:g} |" for k, us, n in prof["kernels"]]
     return "\n".join(lines) + "\n"
 
 
@@ -222,6 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per engine process")
     ap.add_argument("--out", default=os.environ.get("OUT", "throughput_out"))
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time per decode step (torch.profiler)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -249,7 +300,7 @@ def main(argv=None) -> int:
     data["meta"] = {**meta, "how": how}
     for path, cache in runs:
         spec = dict(path=path, cache=cache, model_dir=str(model_dir), **{k: meta[k] for k in (
-            "prompts", "prompt_len", "decode_steps", "chunk", "repeats")})
+            "prompts", "prompt_len", "decode_steps", "chunk", "repeats")}, profile=args.profile)
         t0 = time.perf_counter()
         proc = start_worker(spec, os.environ.get("PYTHONPATH", ""), cli=Path(__file__).resolve())
         res = finish_worker(proc, t0, args.timeout)

@@ -103,6 +103,22 @@ def test_report_ratios_and_failed_runs():
     assert "triton/fp8_ds_mla: exit 1" in md
 
 
+def test_decode_kernels_per_step_subtract_the_prefill_call_and_rank_by_time():
+    """Per decode step: the prefill + decode call's kernel time minus the prefill call's, per kernel name; kernels
+    only the prefill ran (or ran as much of) drop out; the report lists them under the table."""
+    short = {"attn_prefill": [900.0, 16], "gemm": [500.0, 40], "indexer": [80.0, 16], "sampler": [10.0, 1]}
+    long_ = {"attn_prefill": [900.0, 16], "gemm": [500.0 + 4 * 300.0, 40 + 4 * 24], "indexer": [80.0 + 4 * 55.5, 48],
+             "attn_decode": [4 * 120.25, 4 * 8], "sampler": [10.0 + 4 * 2.0, 5]}
+    prof = throughput.decode_kernels(short, long_, steps=4, top=3)
+    assert prof["kernels"] == [["gemm", 300.0, 24.0], ["attn_decode", 120.25, 8.0], ["indexer", 55.5, 8.0]]
+    assert prof["total_us"] == pytest.approx(300.0 + 120.25 + 55.5 + 2.0, abs=0.1)
+    res = dict(prefill_tok_s=1.0, decode_tok_s=1.0, prefill_s=[1.0], generate_s=[2.0], vendor_calls={},
+               decode_kernels=prof)
+    meta = dict(layers=8, experts=16, prompts=32, prompt_len=4096, decode_steps=4, chunk=8192, repeats=2)
+    md = throughput.report({"triton/bf16": res}, meta)
+    assert "GPU time per decode step, triton/bf16" in md and "| `attn_decode` | 120.2 | 8 |" in md
+
+
 def test_bad_run_names_are_refused():
     assert throughput.parse_runs("upstream:bf16, triton:fp8_ds_mla") == [("upstream", "bf16"),
                                                                          ("triton", "fp8_ds_mla")]
