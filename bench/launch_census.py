@@ -148,7 +148,7 @@ def make_cases(device: str, small: bool):
                                                                              out=out)))
         cases.append(("sparse_mla_attention fp8_ds_mla", f"T={T} H=64",
                       lambda q=q, idx=idx: SM.sparse_mla_attention(q, kv_fp8, idx, 0.04, "fp8_ds_mla")))
-        # the backend's forward_mqa: q as (ql_nope, q_pe), request-local top-k, block table
+        # the backend's forward_mqa: q as (ql_nope, q_pe), request-local top-k, block table, no lse wanted
         reqs = max(1, T // 64) if T > 1 else 1
         block_table = torch.randperm(slots // bs, generator=g)[: reqs * 32].view(reqs, 32).to(torch.int32)
         block_table = block_table.to(device)
@@ -158,12 +158,12 @@ def make_cases(device: str, small: bool):
         q_pair = (q[..., :512].clone(), q[..., 512:].clone())
         cases.append(("backend forward (ops.sparse_mla_forward)", f"T={T} H=64",
                       lambda qp=q_pair, local=local, req_id=req_id, bt=block_table:
-                      ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16")))
+                      ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16", with_lse=False)))
         # 16 heads per GPU: DeepSeek-V3.2 (128 heads) at tensor parallel 8, GLM-5 (64) at 4
         q16 = (q_pair[0][:, :16].clone(), q_pair[1][:, :16].clone())
         cases.append(("backend forward (ops.sparse_mla_forward)", f"T={T} H=16",
                       lambda qp=q16, local=local, req_id=req_id, bt=block_table:
-                      ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16")))
+                      ops.sparse_mla_forward(qp, kv_bf16, local, req_id, bt, bs, 0.04, "bf16", with_lse=False)))
         # before the block-table lookup moved into the kernel: torch converts the indices, then the kernel
         cases.append(("backend forward, indices converted by torch (before)", f"T={T} H=64",
                       lambda qp=q_pair, local=local, req_id=req_id, bt=block_table:

@@ -255,7 +255,8 @@ def report(results: dict, meta: dict) -> str:
         if not prof:
             continue
         lines += ["", f"GPU time per decode step, {name} (torch.profiler, the prefill call subtracted): "
-                      f"{prof['total_us']:.1f} us in all", "", "| kernel | us / step | launches / step |", "|---|---|---|"]
+                      f"{prof['total_us']:.1f} us in all", "", "| kernel | us / step | launches / step |",
+                  "|---|---|---|"]
         lines += [f"| `{k[:100]}` | {us:.1f} | {n:g} |" for k, us, n in prof["kernels"]]
     return "\n".join(lines) + "\n"
 

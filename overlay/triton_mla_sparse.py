@@ -304,6 +304,7 @@ class TritonMLASparseImpl(_ImplBase[TritonMLASparseMetadata]):
             self.softmax_scale,
             self.kv_format,
             segments=self._fp8_segments(attn_metadata, kv_c_and_k_pe_cache),
+            with_lse=False,  # vLLM's sparse MLA layer reads no lse
         )
         return out, None
 

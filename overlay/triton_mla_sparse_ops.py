@@ -220,8 +220,11 @@ def sparse_mla_forward(
     kv_format: str,
     attention=None,
     segments: list[Segment] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA for a batch of query tokens: (out [T, H, 512] bf16, lse [T, H] fp32).
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sparse MLA for a batch of query tokens: (out [T, H, 512] bf16, lse [T, H] fp32). with_lse=False (the
+    backend: vLLM reads no lse): the Triton kernel writes the lse into scratch, one allocation less per call, and
+    lse may come back None.
 
     `attention` defaults to the Triton kernel `sparse_mla_attention`, which reads the (ql_nope, q_pe) pair in
     place and converts the request-local indices (its block_table / req_id arguments): as it reads them for
@@ -236,7 +239,7 @@ def sparse_mla_forward(
         return _forward_segments(q, kv, local_indices, req_id, block_table, block_size, softmax_scale, segments)
     if attention is None and kv.shape[1] == block_size:
         return _kernel()(q if isinstance(q, tuple) else q.contiguous(), kv, local_indices, softmax_scale,
-                         kv_format=kv_format, block_table=block_table, req_id=req_id)
+                         kv_format=kv_format, block_table=block_table, req_id=req_id, with_lse=with_lse)
     q = concat_q(q)
     num_tokens = q.shape[0]
     slots = convert_req_index_to_global(

@@ -53,6 +53,7 @@ A6000/RTX 30xx sm_86, L40S/RTX 40xx sm_89, H100/H200 sm_90, RTX 50xx/RTX PRO 600
 from __future__ import annotations
 
 import functools
+import math
 import logging
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -936,8 +937,9 @@ def sparse_mla_attention(
     config: SparseMLAConfig | None = None,
     block_table: torch.Tensor | None = None,
     req_id: torch.Tensor | None = None,
+    with_lse: bool = True,
     _fp8_native: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sparse MLA attention over a paged latent KV cache (decode and prefill alike).
 
     Arguments:
@@ -973,19 +975,23 @@ def sparse_mla_attention(
             unread). Same result as converting the indices first; for decode-sized calls the kernel converts each
             position as it reads it (no launch or allocation of its own), otherwise one small launch converts
             them first (see INLINE_PAGED_MAX_BLOCK_H).
+        with_lse: False (and no ``lse`` given): the caller does not want the log-sum-exp; the kernel writes it
+            into a per-stream scratch buffer instead of a tensor allocated per call, and None is returned.
         _fp8_native: testing hook: force (True) or avoid (False) the native e4m3 conversion
             (default: native on sm_89+ and in the interpreter, bit-manipulation on sm_80/86).
 
     Returns:
         out: [T, H, 512], the attention output (bfloat16 unless ``out`` was given).
-        lse: [T, H] float32, natural-log log-sum-exp of the scaled scores over the valid indices.
+        lse: [T, H] float32, natural-log log-sum-exp of the scaled scores over the valid indices (None with
+            with_lse=False and no ``lse`` given).
         A row without any valid index gets out = 0 and lse = -inf (never NaN).
     """
-    key = _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, _fp8_native)
+    with_lse = bool(with_lse) or lse is not None
+    key = _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, _fp8_native, with_lse)
     plan = _PLANS.get(key)
     if plan is None:  # validates every argument; a repeat call with the same key reuses it
         plan = _PLANS.keep(key, _Plan(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id,
-                                      _fp8_native))
+                                      _fp8_native, with_lse))
     try:
         return plan.run(q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id)
     except Exception as e:  # noqa: BLE001 - only a failed build of the heuristic's Gluon tile is handled
@@ -993,7 +999,7 @@ def sparse_mla_attention(
             raise
         _stop_gluon(e)
     return sparse_mla_attention(q, kv_cache, indices, softmax_scale, kv_format, out=out, lse=lse,
-                                block_table=block_table, req_id=req_id, _fp8_native=_fp8_native)
+                                block_table=block_table, req_id=req_id, with_lse=with_lse, _fp8_native=_fp8_native)
 
 
 # The heuristic's Gluon tile is built at its first launch. If this Triton cannot build it (a Gluon API that moved,
@@ -1032,7 +1038,7 @@ def _tensor_key(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native):
+def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native, with_lse):
     if not _PLANS.on:
         return None
     try:
@@ -1040,19 +1046,20 @@ def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, re
         key = (qkey, _tensor_key(kv_cache), indices.shape, indices.stride(), indices.dtype, kv_format, config,
                fp8_native, _tensor_key(out), _tensor_key(lse),
                None if block_table is None else (block_table.shape[1:], block_table.stride(), block_table.dtype),
-               None if req_id is None else (req_id.shape, req_id.stride(), req_id.dtype))
+               None if req_id is None else (req_id.shape, req_id.stride(), req_id.dtype), with_lse)
     except (AttributeError, TypeError, IndexError, ValueError):  # not tensors: no plan (the checks say what is wrong)
         return None
     return key
 
 
 class _Partials:
-    """Grow-only float32 scratch for the split partials (po, plse), one buffer per (device, CUDA stream), as
-    FlashMLA keeps its metadata buffer: two torch.empty calls per split launch cost ~8 us of host time on the
-    H200 and slicing views of a shared buffer nearly as much (bench/RESULTS.md), so a plan keeps its views and
-    re-slices only when the buffer it sliced was replaced (``gen``). Calls on one stream run in stream order, so
-    they may share it (the forward kernel writes every split's partial before the merge reads it); another
-    stream gets its own buffer. Never used while a CUDA graph is captured: a capture takes fresh tensors from
+    """Grow-only float32 scratch for what a call writes and reads back itself (the split partials po / plse, the
+    converted slot ids) or never reads (the lse of a call made with_lse=False), one buffer per (device, CUDA
+    stream), as FlashMLA keeps its metadata buffer: each torch.empty costs ~4 us of host time on the H200 and
+    slicing views of a shared buffer nearly as much (bench/RESULTS.md), so a plan keeps its views and re-slices
+    only when the buffer it sliced was replaced (``gen``). Calls on one stream run in stream order, so they may
+    share it (a call's kernels write each part before the next kernel of the call reads it); another stream
+    gets its own buffer. Never used while a CUDA graph is captured: a capture takes fresh tensors from
     the graph's private pool, which live as long as the graph (a grown, freed buffer would not)."""
 
     def __init__(self):
@@ -1079,7 +1086,8 @@ def _current_stream(device) -> int:
 class _Plan:
     """One call's checked arguments and derived launches (see the comment above)."""
 
-    def __init__(self, q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native):
+    def __init__(self, q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native,
+                 with_lse=True):
         q, qr, self.rope_off = _q_parts(q)
         paged = _check_paged(q, indices, block_table, req_id)
         self.squeeze_idx = indices.dim() == 3
@@ -1104,9 +1112,11 @@ class _Plan:
         if lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32):
             raise ValueError(f"sparse_mla_attention: lse must be float32 [T, H], got {lse.dtype} {tuple(lse.shape)}")
         self.T, self.H, self.topk = T, H, topk
+        self.with_lse = with_lse or lse is not None
         self.kept = (_Kept(_fwd_launch), _Kept(_combine_launch), _Kept(_slots_launch))
         self.default_gluon = False  # the heuristic (no config given) picked the Gluon tile
-        self.partials = None  # (stream, _PARTIALS.gen, po, plse) of the workspace views last used
+        self.scratch = None  # (stream, _PARTIALS.gen, (po, plse, lse, slots)) of the workspace views last used
+        self.split = self.convert = False
         if T == 0:
             return
         capability, sm_count = _device_info(q.device)
@@ -1174,16 +1184,18 @@ class _Plan:
             indices = indices.contiguous()
         if out is None:
             out = torch.empty((T, H, KV_LORA_RANK), dtype=torch.bfloat16, device=q.device)
-        if lse is None:
+        if lse is None and self.with_lse:
             lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         if T == 0:
             return out, lse
-        if self.split:
-            po, plse = self._partials(q.device)
-        else:
+        returned = lse
+        if self.split or self.convert or lse is None:
+            po, plse, lse_scratch, slots = self._scratch(q.device)
+            if lse is None:
+                lse = lse_scratch
+        if not self.split:
             po = plse = out  # unused (SPLIT=False)
         if self.convert:
-            slots = torch.empty((T, self.topk), dtype=torch.int32, device=q.device)
             t = (indices, req_id, block_table, slots)
             self.kept[2](self.slots_grid, t, t + self.slots_ints, self.slots_kw)
             indices = slots
@@ -1194,23 +1206,35 @@ class _Plan:
         if self.split:
             t = (po, plse, out, lse)
             self.kept[1](self.comb_grid, t, t + self.comb_ints, self.comb_kw)
-        return out, lse
+        return out, returned
 
-    def _partials(self, device):
-        """(po [T, H, S, 512], plse [T, H, S]) float32: views of the stream's workspace (see _Partials), fresh
-        tensors while a CUDA graph is being captured."""
+    def _scratch_parts(self):
+        """[(shape, dtype) or None] of po [T, H, S, 512] and plse [T, H, S] (split calls), the unreturned lse
+        [T, H] (with_lse=False) and the converted slot ids [T, topk] int32 (request-local indices converted by a
+        launch of their own)."""
         T, H, S = self.T, self.H, self.num_splits
+        f32 = torch.float32
+        return [((T, H, S, KV_LORA_RANK), f32) if self.split else None, ((T, H, S), f32) if self.split else None,
+                None if self.with_lse else ((T, H), f32), ((T, self.topk), torch.int32) if self.convert else None]
+
+    def _scratch(self, device):
+        """(po, plse, lse, slots), each a view of the stream's workspace (see _Partials) or None where the call
+        needs none; fresh tensors while a CUDA graph is being captured (they must live as long as the graph)."""
+        parts = self._scratch_parts()
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return (torch.empty((T, H, S, KV_LORA_RANK), dtype=torch.float32, device=device),
-                    torch.empty((T, H, S), dtype=torch.float32, device=device))
+            return tuple(None if p is None else torch.empty(p[0], dtype=p[1], device=device) for p in parts)
         stream = _current_stream(device)
-        kept = self.partials
+        kept = self.scratch
         if kept is None or kept[0] != stream or kept[1] != _PARTIALS.gen:
-            n_po = T * H * S * KV_LORA_RANK  # a multiple of 512 floats: plse stays 16-byte aligned
-            buf = _PARTIALS.get((device, stream), n_po + T * H * S, device)
-            kept = self.partials = (stream, _PARTIALS.gen, buf[:n_po].view(T, H, S, KV_LORA_RANK),
-                                    buf[n_po:n_po + T * H * S].view(T, H, S))
-        return kept[2], kept[3]
+            sizes = [0 if p is None else math.prod(p[0]) for p in parts]
+            offsets = [0]
+            for n in sizes:  # every part starts 64-byte aligned (4-byte elements)
+                offsets.append(offsets[-1] + -(-n // 16) * 16)
+            buf = _PARTIALS.get((device, stream), offsets[-1], device)
+            views = tuple(None if p is None else buf[o:o + n].view(p[1]).view(p[0])
+                          for p, o, n in zip(parts, offsets, sizes))
+            kept = self.scratch = (stream, _PARTIALS.gen, views)
+        return kept[2]
 
 
 def dequantize_fp8_ds_mla(kv_rows: torch.Tensor) -> torch.Tensor:

@@ -326,7 +326,8 @@ def test_direct_launch_is_bit_identical_to_the_jit_entry():
 def test_backend_forward_with_request_local_indices():
     """The backend's per-layer call (the (q_nope, q_pe) pair read in place, request-local top-k converted inside the
     attention kernel) equals converting the indices with the backend's torch conversion first and passing the
-    concatenated q, bit for bit, for both cache formats."""
+    concatenated q, bit for bit, for both cache formats; without an lse too (the backend's call), eager and replayed
+    from a CUDA graph after the eager scratch was freed."""
     from overlay import triton_mla_sparse_ops as ops
 
     for fmt in ("bf16", "fp8_ds_mla"):
@@ -344,6 +345,27 @@ def test_backend_forward_with_request_local_indices():
         want_o, want_l = SM.sparse_mla_attention(qc, cache, slots, 0.05, fmt)
         torch.cuda.synchronize()
         assert torch.equal(out, want_o) and torch.equal(lse, want_l), fmt
+
+        def no_lse():  # as the backend calls it: no lse wanted, the kernel writes it into the stream's scratch
+            return ops.sparse_mla_forward((qc[..., :512], qc[..., 512:]), cache, loc, rid, bt, bs, 0.05, fmt,
+                                          with_lse=False)
+
+        o2, none = no_lse()
+        torch.cuda.synchronize()
+        assert none is None and torch.equal(o2, want_o), fmt
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            no_lse()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):   # captured: scratch from the graph's pool, not the eager workspace
+            o3, _ = no_lse()
+        SM._PARTIALS.bufs.clear()       # every eager workspace freed and a new one made: the graph kept none of them
+        no_lse()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o3, want_o), fmt
 
 
 def test_fp8_prefill_workspace_on_gpu():

@@ -225,20 +225,46 @@ def test_split_partials_workspace_is_reused_poisoned_and_grown(fmt):
     M._PARTIALS.bufs.clear()  # a fresh workspace (earlier tests grew it)
     plan = M._Plan(small.q, small.cache, small.idx, fmt, None, None, cfg, None, None, None)
     assert plan.split and plan.num_splits == 6
-    po, plse = plan._partials(small.q.device)
+    po, plse = plan._scratch(small.q.device)[:2]
     po.fill_(float("nan")), plse.fill_(float("nan"))
-    again = plan._partials(small.q.device)
+    again = plan._scratch(small.q.device)
     assert again[0] is po and again[1] is plse                      # a repeat call: the kept views
     check_case(small, config=cfg)
     gen = M._PARTIALS.gen
     base = po.untyped_storage().data_ptr()
-    grown = M._Plan(big.q, big.cache, big.idx, fmt, None, None, cfg, None, None, None)._partials(big.q.device)
+    grown = M._Plan(big.q, big.cache, big.idx, fmt, None, None, cfg, None, None, None)._scratch(big.q.device)
     assert M._PARTIALS.gen == gen + 1 and grown[0].untyped_storage().data_ptr() != base  # outgrew it
     grown[0].fill_(float("nan")), grown[1].fill_(float("nan"))
     check_case(big, config=cfg)
-    resliced = plan._partials(small.q.device)
+    resliced = plan._scratch(small.q.device)
     assert resliced[0].untyped_storage().data_ptr() == grown[0].untyped_storage().data_ptr()
     check_case(small, config=cfg)                                     # after the big one, in its buffer
+
+
+@pytest.mark.parametrize("fmt", M.KV_FORMATS)
+def test_without_lse_the_stream_scratch_takes_it_and_out_is_unchanged(fmt):
+    """with_lse=False (the backend's call: vLLM reads no lse): None comes back instead of an lse tensor, the kernel
+    writes the lse into the stream's scratch (found NaN-poisoned here) and out is the with-lse call's, bit for bit,
+    split and unsplit."""
+    case = C.mla_case(31, fmt, H=5, topk=96, T=3, block_size=64, num_blocks=2)
+    T, H = case.q.shape[:2]
+    for cfg in (M.SparseMLAConfig(16, 16, 6, 4, 2), M.SparseMLAConfig(16, 16, 1, 4, 2)):
+        want_o, want_l = C.poisoned_mla_outputs(T, H, torch.float32)
+        M.sparse_mla_attention(case.q, case.cache, case.idx, case.scale, fmt, out=want_o, lse=want_l, config=cfg)
+        plan = M._Plan(case.q, case.cache, case.idx, fmt, want_o, None, cfg, None, None, None, False)
+        assert plan.split == (cfg.num_splits > 1) and not plan.with_lse
+        parts = plan._scratch(case.q.device)
+        assert (parts[0] is not None) == plan.split and parts[2].shape == (T, H) and parts[3] is None
+        for part in parts[:3]:
+            if part is not None:
+                part.fill_(float("nan"))
+        got_o, _ = C.poisoned_mla_outputs(T, H, torch.float32)
+        o, lse = M.sparse_mla_attention(case.q, case.cache, case.idx, case.scale, fmt, out=got_o, config=cfg,
+                                        with_lse=False)
+        assert o is got_o and lse is None and torch.equal(got_o, want_o), cfg
+        assert torch.equal(parts[2], want_l), cfg   # the same scratch: the call's plan sliced the same buffer
+    with_l = M.sparse_mla_attention(case.q, case.cache, case.idx, case.scale, fmt, lse=want_l, with_lse=False)[1]
+    assert with_l is want_l  # an lse given is an lse wanted
 
 
 def test_strided_inputs_and_flashmla_shaped_views():
@@ -384,6 +410,10 @@ def test_request_local_indices_equal_converted_slot_ids(fmt):
         M.sparse_mla_attention((q[..., :512], q[..., 512:]), cache, local, 0.1, fmt, out=got_o, lse=got_l,
                                config=cfg, block_table=block_table, req_id=req_id)
         assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l), cfg
+        got_o, _ = C.poisoned_mla_outputs(T, H, torch.float32)  # and without an lse, as the backend asks
+        o, lse = M.sparse_mla_attention((q[..., :512], q[..., 512:]), cache, local, 0.1, fmt, out=got_o, config=cfg,
+                                        block_table=block_table, req_id=req_id, with_lse=False)
+        assert o is got_o and lse is None and torch.equal(got_o, want_o), cfg
     with pytest.raises(ValueError, match="block_table and req_id go together"):
         M.sparse_mla_attention(q, cache, local, 0.1, fmt, block_table=block_table)
     with pytest.raises(ValueError, match="req_id must be"):
