@@ -216,10 +216,13 @@ def census(cases, cuda: bool, calls: int):
         fn()
         fn()  # the first call after switching fills the direct cache
         py_direct = count_py_calls(fn)
+        aten_direct = count_aten(fn)  # a repeat call: what a planned call still asks torch for
         direct = host_us(fn, calls, cuda)
         rows.append(dict(name=name, shape=shape, aten=sum(aten.values()), aten_ops=aten, triton=launches,
-                         py=py, py_direct=py_direct, jit_us=jit, direct_us=direct))
-        print(f"{name:44s} {shape:22s} aten {sum(aten.values()):3d} triton {launches} py {py:6.0f}/{py_direct:5.0f}"
+                         py=py, py_direct=py_direct, jit_us=jit, direct_us=direct,
+                         aten_direct=sum(aten_direct.values()), aten_ops_direct=aten_direct))
+        print(f"{name:44s} {shape:22s} aten {sum(aten.values()):3d}/{sum(aten_direct.values()):2d} triton {launches} "
+              f"py {py:6.0f}/{py_direct:5.0f}"
               f" jit {jit:7.1f} us direct {direct:7.1f} us", file=sys.stderr, flush=True)
     return rows
 
@@ -241,16 +244,17 @@ def report(rows, device_line: str, cpu: bool) -> str:
     if cpu:
         out += ["CPU run (`--cpu`): stand-in Triton driver, no compile, no-op launcher, CPU tensors; counts as "
                 "on the GPU, times are this CPU's (no CUDA launch cost, real CPU compute for torch ops).", ""]
-    out += ["| entry point | shape | aten ops / call | Triton launches / call | Python calls / call (JIT / "
-            "direct) | host us / call, JIT entry | host us / call, direct launch |",
+    out += ["| entry point | shape | aten ops / call (JIT / direct) | Triton launches / call | Python calls / call "
+            "(JIT / direct) | host us / call, JIT entry | host us / call, direct launch |",
             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['name']} | {r['shape']} | {r['aten']} | {r['triton']} | {r['py']:.0f} / "
-                   f"{r['py_direct']:.0f} | {r['jit_us']:.1f} | {r['direct_us']:.1f} |")
-    out += ["", "aten ops per call, by name:", ""]
+        out.append(f"| {r['name']} | {r['shape']} | {r['aten']} / {r.get('aten_direct', '-')} | {r['triton']} | "
+                   f"{r['py']:.0f} / {r['py_direct']:.0f} | {r['jit_us']:.1f} | {r['direct_us']:.1f} |")
+    out += ["", "aten ops per call, by name (JIT entry; direct launch after the semicolon):", ""]
     for r in rows:
         ops = ", ".join(f"{k} {v}" for k, v in sorted(r["aten_ops"].items(), key=lambda kv: -kv[1]))
-        out.append(f"- {r['name']} ({r['shape']}): {ops or 'none'}")
+        direct = ", ".join(f"{k} {v}" for k, v in sorted(r.get("aten_ops_direct", {}).items(), key=lambda kv: -kv[1]))
+        out.append(f"- {r['name']} ({r['shape']}): {ops or 'none'}; {direct or 'none'}")
     return "\n".join(out) + "\n"
 
 

@@ -1231,7 +1231,8 @@ class _Plan:
             for n in sizes:  # every part starts 64-byte aligned (4-byte elements)
                 offsets.append(offsets[-1] + -(-n // 16) * 16)
             buf = _PARTIALS.get((device, stream), offsets[-1], device)
-            views = tuple(None if p is None else buf[o:o + n].view(p[1]).view(p[0])
+            views = tuple(None if p is None else (buf[o:o + n] if p[1] == torch.float32 else
+                                                  buf[o:o + n].view(p[1])).view(p[0])
                           for p, o, n in zip(parts, offsets, sizes))
             kept = self.scratch = (stream, _PARTIALS.gen, views)
         return kept[2]
