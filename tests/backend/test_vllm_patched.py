@@ -196,10 +196,12 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm._dsa_overlay import triton_mla_sparse as tms, triton_mla_sparse_ops as ops
 
-def fp32_sparse_mla_standin(q, kv, indices, softmax_scale, kv_format="bf16", block_table=None, req_id=None):
+def fp32_sparse_mla_standin(q, kv, indices, softmax_scale, kv_format="bf16", block_table=None, req_id=None,
+                            with_lse=True):
     # test-only float32 stand-in with the kernel's contract (bf16 cache); with block_table and req_id the
     # indices are request-local positions: slot = block_table[req_id[t], p // block_size] * block_size + p % bs;
-    # q is one [T, H, 576] tensor or vLLM's (q_nope, q_pe) pair, as the kernel takes it
+    # q is one [T, H, 576] tensor or vLLM's (q_nope, q_pe) pair, as the kernel takes it; the backend wants no lse
+    assert with_lse is False
     if isinstance(q, tuple):
         q = torch.cat([x.float() for x in q], -1)
     bs = kv.shape[1]
