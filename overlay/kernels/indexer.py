@@ -68,6 +68,9 @@ from .launch import build_failed as _build_failed
 from .launch import build_failure_text as _build_failure_text
 from .launch import GLUON_ENV
 from .launch import gluon_wanted as _gluon_wanted
+from .launch import contiguous_strides as _contiguous_strides
+from .launch import off_device as _off_device
+from .launch import tensor_key as _tensor_key
 
 __all__ = [
     "HEAD_DIM",
@@ -824,11 +827,8 @@ def _prefill_key(q, kv, weights, ks, ke, clean_logits, max_seqlen_k, config, out
         return None
     try:
         k, k_scales = kv
-        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k_scales.shape,
-               k_scales.stride(), k_scales.dtype, weights.shape, weights.stride(), weights.dtype, ks.shape,
-               ks.stride(), ks.dtype, ke.shape, ke.stride(), ke.dtype, bool(clean_logits),
-               None if max_seqlen_k is None else int(max_seqlen_k),
-               None if out is None else (out.shape, out.stride(), out.dtype))
+        key = (*map(_tensor_key, (q, k, k_scales, weights, ks, ke, out)), bool(clean_logits),
+               None if max_seqlen_k is None else int(max_seqlen_k))
     except (AttributeError, TypeError, ValueError):  # not tensors: no plan (the checks say what is wrong)
         return None
     return key
@@ -864,6 +864,10 @@ class _PrefillPlan:
         if not (cu_seqlen_ks.shape == (M,) and cu_seqlen_ke.shape == (M,)):
             _fail(f"cu_seqlen_ks/cu_seqlen_ke must be [M={M}], got {tuple(cu_seqlen_ks.shape)} "
                   f"and {tuple(cu_seqlen_ke.shape)}")
+        wrong = _off_device(q.device, k=k, k_scales=k_scales, weights=weights, cu_seqlen_ks=cu_seqlen_ks,
+                            cu_seqlen_ke=cu_seqlen_ke, out=out)
+        if wrong:
+            _fail(f"{wrong} (q's device): every tensor of a call must be on one device")
         if max_seqlen_k is not None:
             if clean_logits:
                 _fail("clean_logits=True has no meaning with max_seqlen_k (the compressed rows' tails are "
@@ -882,10 +886,8 @@ class _PrefillPlan:
         self.empty = M == 0 or N == 0 or width == 0
         if self.empty:
             return
-        if self.copy_q:
-            q = q.contiguous()
-        if self.copy_k:
-            k = k.contiguous()
+        q_strides = _contiguous_strides(q) if self.copy_q else q.stride()  # what the call's copy will have
+        k_stride = _contiguous_strides(k)[0] if self.copy_k else k.stride(0)
         capability, num_sms = _device_info(q.device)
         cfg = _with_overrides(prefill_config(capability, H), config)
         if max_seqlen_k is not None:
@@ -899,7 +901,7 @@ class _PrefillPlan:
         self.u8 = cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32)  # sm_80/86 Triton has no e4m3 type: raw bytes
         out_stride = width if out is None else out.stride(0)
         self.grid = (m_groups, splits)
-        self.ints = (M, N, H, q.stride(0), q.stride(1), k.stride(0), weights.stride(0), weights.stride(1),
+        self.ints = (M, N, H, q_strides[0], q_strides[1], k_stride, weights.stride(0), weights.stride(1),
                      out_stride, n_per_split, int(bool(clean_logits)), width)
         self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.kept = _Kept(_prefill_launch)
@@ -1078,11 +1080,8 @@ def _paged_key(q, kv_cache, weights, context_lens, block_tables, max_model_len, 
     if not _PAGED_PLANS.on or config is not None:
         return None
     try:
-        key = (q.shape, q.stride(), q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
-               weights.shape, weights.stride(), weights.dtype, context_lens.shape, context_lens.stride(),
-               context_lens.dtype, block_tables.shape, block_tables.stride(), block_tables.dtype,
-               int(max_model_len), bool(clean_logits),
-               None if out is None else (out.shape, out.stride(), out.dtype))
+        key = (*map(_tensor_key, (q, kv_cache, weights, context_lens, block_tables, out)), int(max_model_len),
+               bool(clean_logits))
     except (AttributeError, TypeError, ValueError):  # not tensors: no plan (the checks say what is wrong)
         return None
     return key
@@ -1124,9 +1123,12 @@ class _PagedPlan:
                and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1):
             _fail(f"block_tables must be [B={B}, max_blocks] int32 with contiguous rows, got "
                   f"{tuple(block_tables.shape)} {block_tables.dtype}")
+        wrong = _off_device(q.device, kv_cache=kv_cache_fp8, weights=weights, context_lens=context_lens,
+                            block_tables=block_tables, out=out)
+        if wrong:
+            _fail(f"{wrong} (q_fp8's device): every tensor of a call must be on one device")
         self.copy_q = q.stride(3) != 1
-        if self.copy_q:
-            q = q.contiguous()
+        q_strides = _contiguous_strides(q) if self.copy_q else q.stride()  # what the call's copy will have
         max_model_len = int(max_model_len)
         self.shape = (B * next_n, max_model_len)
         out_stride = max_model_len if out is None else _result(out, self.shape, q.device).stride(0)
@@ -1142,9 +1144,7 @@ class _PagedPlan:
                   f"got capability {capability}, {cfg}")
         programs = cfg.programs or cfg.per_sm * num_sms
         self.default_gluon = cfg.GLUON and config is None
-        self.u8 = cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32)
-        if self.u8:
-            q = q.view(torch.uint8)   # sm_80/86 Triton has no e4m3 type: pass raw bytes
+        self.u8 = cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32)  # sm_80/86 Triton has no e4m3 type: raw bytes
         self.grid = (programs,)
         self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.CONST_BS:
@@ -1153,7 +1153,7 @@ class _PagedPlan:
             self.kw["maxnreg"] = cfg.maxnreg
         self.launches = [
             ((B, H, next_n, j0, max_model_len, is_1d, int(bool(clean_logits)), block_size, programs,
-              q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+              q_strides[0], q_strides[1], q_strides[2], weights.stride(0), weights.stride(1),
               stride_cb, stride_cj, block_tables.stride(0), stride_blk, out_stride),
              _Kept(_decode_gluon_launch if cfg.GLUON else _decode_launch))
             for j0 in range(0, next_n, cfg.T)]

@@ -30,10 +30,12 @@ from __future__ import annotations
 import os
 import weakref
 
+import torch
 import triton
 
 __all__ = ["DirectLauncher", "KeptLaunch", "PlanTable", "reset_plans", "DIRECT_LAUNCH_ENV", "direct_launch_enabled",
-           "env_switch", "build_failed", "build_failure_text", "GLUON_ENV", "gluon_wanted"]
+           "env_switch", "build_failed", "build_failure_text", "GLUON_ENV", "gluon_wanted", "tensor_key",
+           "off_device", "contiguous_strides"]
 
 DIRECT_LAUNCH_ENV = "DSA_OVERLAY_DIRECT_LAUNCH"
 _SUPPORTED_TRITON = ("3.6",)
@@ -262,6 +264,28 @@ class KeptLaunch:
         self.launcher(grid, *args, **kwargs)
         if self.entry is None and hasattr(self.launcher, "entry"):
             self.entry, self.align = self.launcher.entry(args, kwargs), align
+
+
+def tensor_key(t):
+    """What a launch plan depends on of one tensor argument: shape, strides, dtype, device (None stays None)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def off_device(device, **tensors) -> str | None:
+    """'name is on X, not D' for the first tensor given by name that is not on ``device`` (None skipped), else None.
+    A kernel launched on one device with a pointer into another reads garbage or faults far from the call."""
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            return f"{name} is on {t.device}, not {device}"
+    return None
+
+
+def contiguous_strides(t) -> tuple[int, ...]:
+    """The strides ``t.contiguous()`` has, without copying t (a plan reads them once; the call copies). A tensor
+    torch counts as contiguous is returned as it is, odd strides of its size-1 dimensions included."""
+    if t.is_contiguous():
+        return t.stride()
+    return torch.empty_like(t, device="meta", memory_format=torch.contiguous_format).stride()
 
 
 class PlanTable:

@@ -69,6 +69,9 @@ from .launch import build_failed as _build_failed
 from .launch import build_failure_text as _build_failure_text
 from .launch import GLUON_ENV
 from .launch import gluon_wanted as _gluon_wanted
+from .launch import contiguous_strides as _contiguous_strides
+from .launch import off_device as _off_device
+from .launch import tensor_key as _tensor_key
 from .sparse_mla_sm90 import GLUON as _GLUON
 from .sparse_mla_sm90 import WS as _WS
 from .sparse_mla_sm90 import WS_FP8 as _WS_FP8
@@ -1033,20 +1036,15 @@ def _stop_gluon(e: BaseException) -> None:
 _PLANS = PlanTable(LAUNCHERS)
 
 
-def _tensor_key(t):
-    """What a launch plan depends on of one tensor argument (None stays None)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def _plan_key(q, kv_cache, indices, kv_format, out, lse, config, block_table, req_id, fp8_native, with_lse):
     if not _PLANS.on:
         return None
     try:
         qkey = tuple(map(_tensor_key, q)) if isinstance(q, tuple) else _tensor_key(q)
-        key = (qkey, _tensor_key(kv_cache), indices.shape, indices.stride(), indices.dtype, kv_format, config,
-               fp8_native, _tensor_key(out), _tensor_key(lse),
-               None if block_table is None else (block_table.shape[1:], block_table.stride(), block_table.dtype),
-               None if req_id is None else (req_id.shape, req_id.stride(), req_id.dtype), with_lse)
+        key = (qkey, _tensor_key(kv_cache), _tensor_key(indices), kv_format, config, fp8_native, _tensor_key(out),
+               _tensor_key(lse), _tensor_key(req_id), with_lse,  # a plan reads the block table's width, not rows
+               None if block_table is None else (block_table.shape[1:], block_table.stride(), block_table.dtype,
+                                                 block_table.device))
     except (AttributeError, TypeError, IndexError, ValueError):  # not tensors: no plan (the checks say what is wrong)
         return None
     return key
@@ -1090,6 +1088,11 @@ class _Plan:
                  with_lse=True):
         q, qr, self.rope_off = _q_parts(q)
         paged = _check_paged(q, indices, block_table, req_id)
+        wrong = _off_device(q.device, kv_cache=kv_cache, indices=indices, out=out, lse=lse, block_table=block_table,
+                            req_id=req_id)
+        if wrong:
+            raise ValueError(f"sparse_mla_attention: {wrong} (q's device); every tensor of a call must be on one "
+                             "device")
         self.squeeze_idx = indices.dim() == 3
         indices = _check_inputs(q, kv_cache, indices, kv_format, paged)
         self.u8 = kv_format == "fp8_ds_mla" and kv_cache.dtype != torch.uint8
@@ -1102,8 +1105,7 @@ class _Plan:
         if q.stride(-1) != 1 or qr.stride(-1) != 1:
             raise ValueError("sparse_mla_attention: q must be contiguous in its last dimension")
         self.copy_idx = indices.stride(-1) != 1
-        if self.copy_idx:
-            indices = indices.contiguous()
+        idx_row = _contiguous_strides(indices)[0] if self.copy_idx else indices.stride(0)  # as the call's copy
         T, H, _ = q.shape
         topk = indices.shape[1]
         if out is not None and (out.shape != (T, H, KV_LORA_RANK) or out.stride(-1) != 1):
@@ -1133,10 +1135,10 @@ class _Plan:
                        and latency_regime(T, H, sm_count))
         self.convert = paged and not self.inline
         max_blocks, stride_btr = (block_table.shape[1], block_table.stride(0)) if self.inline else (0, 0)
-        idx_stride = topk if self.convert else indices.stride(0)  # the slots tensor, or the indices
+        idx_stride = topk if self.convert else idx_row  # the slots tensor, or the indices
         if self.convert:
             self.slots_grid = (T, _cdiv(topk, _SLOTS_BLOCK))
-            self.slots_ints = (topk, block_size, block_table.shape[1], indices.stride(0), block_table.stride(0))
+            self.slots_ints = (topk, block_size, block_table.shape[1], idx_row, block_table.stride(0))
             self.slots_kw = dict(BLOCK=_SLOTS_BLOCK, num_warps=4, num_stages=1)
         if bh not in (16, 32, 64, 128) or bn not in (16, 32, 64, 128):
             raise ValueError(f"sparse_mla_attention: bad config {config}: block_h and block_n must be 16..128, "

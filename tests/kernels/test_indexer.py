@@ -357,6 +357,26 @@ def test_paged_bad_input_names_the_tensor():
         ix.fp8_paged_mqa_logits(q, cache, w[:2], cl, tables, None, 32, True)
 
 
+def test_a_tensor_on_another_device_is_a_one_line_error_naming_it():
+    """Every tensor must be on q's device: the launch would read another device's pointer (garbage or a fault)."""
+    q, k, w = torch.zeros(5, 4, D, dtype=FP8), torch.zeros(8, D, dtype=FP8), torch.zeros(5, 4)
+    ks, ke = torch.zeros(5, dtype=torch.int32), torch.full((5,), 8, dtype=torch.int32)
+    meta = torch.device("meta")
+    for i, name in enumerate(("k", "k_scales", "weights", "cu_seqlen_ks", "cu_seqlen_ke")):
+        args = [k, torch.ones(8), w, ks, ke]
+        args[i] = args[i].to(meta)
+        with pytest.raises(ValueError, match=f"indexer: {name} is on meta, not cpu .q's device."):
+            ix.fp8_mqa_logits(q, tuple(args[:2]), *args[2:], False)
+    with pytest.raises(ValueError, match="out is on meta"):
+        ix.fp8_mqa_logits(q, (k, torch.ones(8)), w, ks, ke, False, _out=torch.empty(5, 8, device=meta))
+    c = C.paged_case(83, 2, 2, 4, 16, [20, 9])
+    for i, name in enumerate(("kv_cache", "weights", "context_lens", "block_tables")):
+        args = [c.cache, c.w, c.cl, c.tables]
+        args[i] = args[i].to(meta)
+        with pytest.raises(ValueError, match=f"indexer: {name} is on meta, not cpu .q_fp8's device."):
+            ix.fp8_paged_mqa_logits(c.q, *args, None, 32, True)
+
+
 def test_sm90_gluon_decode_config_is_picked_only_where_it_has_one():
     """The Gluon decode kernel's config on sm_90 at two query tokens x 32 or 64 padded heads at any batch, one token
     x 32 or 64 at batch 1, when allowed; the Triton kernel's everywhere else (larger one-token batches, other T,

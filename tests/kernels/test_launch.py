@@ -43,3 +43,22 @@ def test_direct_launch_against_the_jit_entry_on_cpu(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert " passed" in out and "skipped" not in out and "deselected" not in out, out[-3000:]
+
+
+def test_plan_key_parts_and_the_strides_of_a_copy():
+    """tensor_key tells tensors apart by shape, strides, dtype and device; contiguous_strides gives what
+    ``.contiguous()`` returns without the copy (odd strides of size-1 dimensions included); off_device names the
+    first tensor on another device."""
+    import torch
+
+    L = _launch_module()
+    t = torch.randn(3, 4, 5)
+    views = (t.transpose(1, 2), t[:, :, ::2], t[:, :1], t[:1, :, :1], torch.randn(6, 1, 8)[:, :, ::4],
+             t.as_strided((1, 1), (7, 3)), torch.randn(0, 4, 3).transpose(1, 2), t)
+    for v in views:
+        assert L.contiguous_strides(v) == v.contiguous().stride(), v.stride()
+    keys = [L.tensor_key(x) for x in (t, t.transpose(1, 2), t.reshape(3, 20), t.double(), t.to("meta"))]
+    assert len(set(keys)) == len(keys) and L.tensor_key(None) is None
+    assert L.tensor_key(t) == L.tensor_key(t.clone())
+    assert L.off_device(t.device, a=t, b=None, c=t[:1]) is None
+    assert L.off_device(t.device, a=t, b=t.to("meta"), c=t.to("meta")) == "b is on meta, not cpu"

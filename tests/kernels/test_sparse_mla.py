@@ -313,6 +313,24 @@ def test_zero_tokens_and_bad_inputs():
             M.sparse_mla_attention(**args)
 
 
+def test_a_tensor_on_another_device_is_a_one_line_error_naming_it():
+    q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 4, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 3, dtype=torch.int32)
+    meta = torch.device("meta")
+    for name, b in (("kv_cache", dict(kv_cache=cache.to(meta))), ("indices", dict(indices=idx.to(meta))),
+                    ("out", dict(out=torch.empty(2, 4, 512, device=meta))),
+                    ("lse", dict(lse=torch.empty(2, 4, device=meta))),
+                    ("block_table", dict(block_table=torch.zeros(2, 1, dtype=torch.int32, device=meta),
+                                         req_id=torch.zeros(2, dtype=torch.int32))),
+                    ("req_id", dict(block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                    req_id=torch.zeros(2, dtype=torch.int32, device=meta)))):
+        args = dict(q=q, kv_cache=cache, indices=idx, softmax_scale=0.1, kv_format="bf16")
+        args.update(b)
+        with pytest.raises(ValueError, match=f"sparse_mla_attention: {name} is on meta, not cpu .q's device."):
+            M.sparse_mla_attention(**args)
+
+
 # ------------------------------------------------------------------------------------------------
 # The launch heuristic
 # ------------------------------------------------------------------------------------------------
