@@ -240,6 +240,8 @@ def test_a_planned_repeat_call_launches_what_the_jit_entry_launches(monkeypatch,
                      req_id=torch.randint(0, 3, (T + 7,), generator=g, dtype=torch.int32))
     else:
         idx = torch.randint(-1, 512, (T, topk), generator=g, dtype=torch.int32)
+        if kv_format == "fp8_ds_mla":   # strided ids: the call copies them, the plan takes the copy's row stride
+            idx = torch.randint(-1, 512, (T, 2 * topk), generator=g, dtype=torch.int32)[:, ::2]
 
     def call():
         return SM.sparse_mla_attention(q, kv, idx, 0.07, kv_format, **extra)
@@ -256,6 +258,9 @@ def test_a_planned_repeat_call_launches_what_the_jit_entry_launches(monkeypatch,
         plan = next(iter(SM._PLANS.plans.values()))
         assert plan.inline == (paged and T < 40) and plan.convert == (paged and T == 40)  # the latency regime only
         assert len(planned) == 1 + plan.split + plan.convert
+        if not paged:   # the attention launch's ids (4th tensor of 10) and their row stride (16th integer)
+            a = planned[0][5]
+            assert torch.equal(a[3], idx) and a[3].stride() == (topk, 1) and a[25] == topk
         assert sum(x.direct_calls for x in SM.LAUNCHERS) - sum(direct) == len(planned)
         assert len(SM._PLANS) == 1
         n = len(fake.launches)
@@ -306,6 +311,8 @@ def test_a_planned_repeat_paged_logits_call_launches_what_the_jit_entry_launches
     g = torch.Generator().manual_seed(next_n)
     B, H, D, bs = 3, 32, 128, 64
     q = torch.randn(B, next_n, H, D, generator=g).to(torch.float8_e4m3fn)
+    if next_n == 4:   # a q whose last dim is strided: the call copies it, the plan takes the copy's strides
+        q = torch.randn(B, next_n, H, 2 * D, generator=g).to(torch.float8_e4m3fn)[..., ::2]
     cache = torch.randint(0, 255, (6 * bs * (D + 4) + 16,), generator=g, dtype=torch.uint8)
     kv = cache[:6 * bs * (D + 4)].view(6, bs, 1, D + 4)
     w = torch.randn(B * next_n, H, generator=g)
@@ -317,6 +324,10 @@ def test_a_planned_repeat_paged_logits_call_launches_what_the_jit_entry_launches
 
     with fake_triton() as fake:
         planned, _ = _planned_repeat(fake, IX._PAGED_PLANS, call)
+        for launch in planned:   # q as the kernel reads it: its strides among the integers (after 9 others)
+            a = launch[5]
+            assert a[0].stride() == (next_n * H * D, H * D, D, 1) and a[15:18] == a[0].stride()[:3]
+            assert torch.equal(a[0].view(torch.uint8), q.contiguous().view(torch.uint8))
         n = len(fake.launches)
         _unplanned(call)
         _same_launches(planned, fake.launches[n:])
@@ -342,6 +353,7 @@ def test_a_planned_repeat_prefill_logits_call_launches_what_the_jit_entry_launch
     kw = {}
     if case == "strided-k-int64-ranges":
         k = torch.randn(N, 2 * D, generator=g).to(torch.float8_e4m3fn)[:, ::2]   # last dim not contiguous
+        q = torch.randn(M, H, 2 * D, generator=g).to(torch.float8_e4m3fn)[:, :, ::2]
         ks, ke = ks.long(), ke.long()
     if case == "compressed-out":
         kw = dict(max_seqlen_k=N // 2, _out=torch.empty(M, N // 2 + 3)[:, :N // 2])
@@ -354,7 +366,11 @@ def test_a_planned_repeat_prefill_logits_call_launches_what_the_jit_entry_launch
         assert len(planned) == 1
         a = planned[0][5]   # what the kernel gets: q, k, scales, weights, ks, ke, logits, then the integers
         width = kw.get("max_seqlen_k", N)
-        assert a[0] is q[:M] or a[0].data_ptr() == q.data_ptr()
+        if q.stride(2) == 1:
+            assert a[0].data_ptr() == q.data_ptr()
+        else:   # the call's copy; the plan took its strides without making one
+            assert a[0].stride() == (H * D, D, 1)
+            assert torch.equal(a[0].view(torch.uint8), q.contiguous().view(torch.uint8))
         assert a[1].stride() == (D, 1) and torch.equal(a[1].view(torch.uint8), k.contiguous().view(torch.uint8))
         assert a[2].shape == (N,) and a[2].data_ptr() == scales.data_ptr()
         assert a[4].dtype == a[5].dtype == torch.int32 and torch.equal(a[4], ks.int()) and torch.equal(a[5], ke.int())
