@@ -23,8 +23,9 @@ same --out adds to them), the table to throughput.md beside it:
     python3 bench/throughput.py --out $OUT [--runs upstream:bf16,triton:bf16,upstream:fp8_ds_mla,triton:fp8_ds_mla]
 
 ``--profile``: after the timed calls, one prefill call and one prefill + decode call again under torch.profiler
-(CUDA activity only: kernels launched from CUDA graphs included); the difference of the two, per kernel name, is
-each kernel's GPU time per decode step, listed per run under the table (where the decode gap is).
+(CPU and CUDA activity: kernels launched from CUDA graphs included); the difference of the two is, per decode step,
+each kernel's GPU time, each host op's and CUDA runtime call's self CPU time (cudaLaunchKernel: a kernel launched
+outside a CUDA graph) and the wall time, listed per run under the table (where the decode gap is: GPU or host).
 """
 
 from __future__ import annotations
@@ -126,29 +127,60 @@ def measure(generate, batch, decode_steps: int, repeats: int) -> dict:
 
 
 def kernel_times(fn) -> dict:
-    """{kernel name: [GPU us, launches]} of everything `fn()` ran on the GPU (torch.profiler, CUDA activity)."""
+    """What `fn()` ran (torch.profiler, CPU and CUDA activity): {"gpu": {kernel name: [GPU us, launches]}
+    (kernels launched from CUDA graphs included), "host": {host op or CUDA runtime call: [self CPU us, calls]},
+    "wall_s": wall time of the call under the profiler}."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
-    times: dict = {}
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    gpu: dict = {}
+    host: dict = {}
     for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None)
-        if us is None:  # torch < 2.4
-            us = evt.self_cuda_time_total
+        # A host op's own device time is its kernels' time again: kernels are counted from their GPU events only.
+        if evt.device_type == DeviceType.CUDA:
+            us, into = getattr(evt, "self_device_time_total", None), gpu
+            if us is None:  # torch < 2.4
+                us = evt.self_cuda_time_total
+        else:
+            us, into = evt.self_cpu_time_total, host
         if us > 0:
-            t = times.setdefault(evt.key, [0.0, 0])
+            t = into.setdefault(evt.key, [0.0, 0])
             t[0] += us
             t[1] += evt.count
-    return times
+    spans = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id())
+             for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+    busy_us, streams = gpu_busy(spans)
+    return {"gpu": gpu, "host": host, "wall_s": wall, "busy_us": busy_us, "streams": streams}
 
 
-def decode_kernels(short: dict, long_: dict, steps: int, top: int = 20) -> dict:
-    """Per decode step, from kernel_times of a prefill call (`short`) and a prefill + `steps` decode steps call
-    (`long_`): {"total_us": GPU us per step, "kernels": [[name, us per step, launches per step], ...]} for the
-    `top` kernels by time (positive differences only: the prefill, identical in both calls, cancels)."""
+def gpu_busy(spans) -> tuple[float, dict]:
+    """(us during which at least one GPU activity ran, {stream: us of activity on it}) of (start ns, end ns,
+    stream) spans: where the busy time is less than the streams' sum, work ran on several streams at once."""
+    busy, end = 0, None
+    streams: dict = {}
+    for start, stop, stream in sorted(spans):
+        streams[str(stream)] = streams.get(str(stream), 0.0) + (stop - start) / 1e3
+        if end is None or start >= end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy / 1e3, streams
+
+
+def per_step(short: dict, long_: dict, steps: int, top: int = 20) -> dict:
+    """Per decode step, from the {name: [us, count]} of a prefill call (`short`) and of a prefill + `steps` decode
+    steps call (`long_`): {"total_us": us per step, "rows": [[name, us per step, count per step], ...]} for the
+    `top` names by time (positive differences only: the prefill, identical in both calls, cancels)."""
     rows = []
     for name, (us, n) in long_.items():
         s_us, s_n = short.get(name, (0.0, 0))
@@ -157,7 +189,20 @@ def decode_kernels(short: dict, long_: dict, steps: int, top: int = 20) -> dict:
             rows.append([name, round(d, 2), round((n - s_n) / steps, 2)])
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
-    return {"total_us": round(total, 1), "kernels": rows[:top]}
+    return {"total_us": round(total, 1), "rows": rows[:top]}
+
+
+def decode_profile(short: dict, long_: dict, steps: int) -> dict:
+    """The decode step from two kernel_times: GPU kernels, host ops (self CPU time; CUDA runtime calls such as
+    cudaGraphLaunch / cudaLaunchKernel among them: kernels launched outside a CUDA graph) and the wall time per
+    step under the profiler, whose excess over the GPU time is when the GPU waited for the host."""
+    gpu = per_step(short["gpu"], long_["gpu"], steps)
+    host = per_step(short["host"], long_["host"], steps, top=15)
+    wall_us = round((long_["wall_s"] - short["wall_s"]) * 1e6 / steps, 1)
+    busy_us = round((long_.get("busy_us", 0.0) - short.get("busy_us", 0.0)) / steps, 1)
+    streams = per_step(*({k: [us, 0] for k, us in c.get("streams", {}).items()} for c in (short, long_)), steps)
+    streams = {k: us for k, us, _ in streams["rows"]}
+    return {"gpu": gpu, "host": host, "wall_us": wall_us, "busy_us": busy_us, "streams_us": streams}
 
 
 def worker(spec: dict) -> dict:
@@ -199,7 +244,7 @@ def worker(spec: dict) -> dict:
     if spec.get("profile"):
         short = kernel_times(lambda: generate(batch, 1))
         long_ = kernel_times(lambda: generate(batch, 1 + spec["decode_steps"]))
-        res["decode_kernels"] = decode_kernels(short, long_, spec["decode_steps"])
+        res["decode_profile"] = decode_profile(short, long_, spec["decode_steps"])
     res.update(startup_s=startup, vendor_calls=vendor_calls, device=torch.cuda.get_device_name())
     return res
 
@@ -251,13 +296,19 @@ def report(results: dict, meta: dict) -> str:
             lines.append(f"- {name}: startup {res.get('startup_s')} s, prefill {res['prefill_s']}, generate "
                          f"{res['generate_s']}, {vendor}, engine process {res.get('wall_s')} s")
     for name, res in results.items():
-        prof = res.get("decode_kernels")
+        prof = res.get("decode_profile")
         if not prof:
             continue
-        lines += ["", f"GPU time per decode step, {name} (torch.profiler, the prefill call subtracted): "
-                      f"{prof['total_us']:.1f} us in all", "", "| kernel | us / step | launches / step |",
-                  "|---|---|---|"]
-        lines += [f"| `{k[:100]}` | {us:.1f} | {n:g} |" for k, us, n in prof["kernels"]]
+        gpu, host = prof["gpu"], prof["host"]
+        lines += ["", f"Decode step, {name} (torch.profiler, CPU and CUDA activity, the prefill call subtracted): "
+                      f"wall {prof['wall_us']:.1f} us under the profiler, GPU kernels {gpu['total_us']:.1f} us, "
+                      f"host ops {host['total_us']:.1f} us (self CPU time); the GPU busy (any stream) "
+                      f"{prof.get('busy_us', 0.0):.1f} us, by stream: "
+                      + (", ".join(f"{k} {v:.1f} us" for k, v in prof.get("streams_us", {}).items()) or "-"), "",
+                  "| kernel | GPU us / step | launches / step |", "|---|---|---|"]
+        lines += [f"| `{k[:100]}` | {us:.1f} | {n:g} |" for k, us, n in gpu["rows"]]
+        lines += ["", "| host op or CUDA runtime call | self CPU us / step | calls / step |", "|---|---|---|"]
+        lines += [f"| `{k[:100]}` | {us:.1f} | {n:g} |" for k, us, n in host["rows"]]
     return "\n".join(lines) + "\n"
 
 
@@ -273,7 +324,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per engine process")
     ap.add_argument("--out", default=os.environ.get("OUT", "throughput_out"))
-    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time per decode step (torch.profiler)")
+    ap.add_argument("--profile", action="store_true", help="GPU kernels, host ops and wall time per decode step (torch.profiler)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:

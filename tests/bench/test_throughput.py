@@ -103,20 +103,53 @@ def test_report_ratios_and_failed_runs():
     assert "triton/fp8_ds_mla: exit 1" in md
 
 
-def test_decode_kernels_per_step_subtract_the_prefill_call_and_rank_by_time():
-    """Per decode step: the prefill + decode call's kernel time minus the prefill call's, per kernel name; kernels
-    only the prefill ran (or ran as much of) drop out; the report lists them under the table."""
+def test_decode_profile_per_step_subtracts_the_prefill_call_and_ranks_by_time():
+    """Per decode step: the prefill + decode call's kernel (and host op) time minus the prefill call's, per name;
+    names only the prefill ran (or ran as much of) drop out; the wall time per step is the two calls' difference;
+    the report lists kernels and host ops under the table."""
     short = {"attn_prefill": [900.0, 16], "gemm": [500.0, 40], "indexer": [80.0, 16], "sampler": [10.0, 1]}
     long_ = {"attn_prefill": [900.0, 16], "gemm": [500.0 + 4 * 300.0, 40 + 4 * 24], "indexer": [80.0 + 4 * 55.5, 48],
              "attn_decode": [4 * 120.25, 4 * 8], "sampler": [10.0 + 4 * 2.0, 5]}
-    prof = throughput.decode_kernels(short, long_, steps=4, top=3)
-    assert prof["kernels"] == [["gemm", 300.0, 24.0], ["attn_decode", 120.25, 8.0], ["indexer", 55.5, 8.0]]
-    assert prof["total_us"] == pytest.approx(300.0 + 120.25 + 55.5 + 2.0, abs=0.1)
+    host_s = {"cudaGraphLaunch": [0.0, 0], "cudaLaunchKernel": [300.0, 30], "aten::copy_": [50.0, 5]}
+    host_l = {"cudaGraphLaunch": [4 * 20.0, 4], "cudaLaunchKernel": [300.0 + 4 * 70.5, 30 + 4 * 9],
+              "aten::copy_": [50.0, 5]}
+    prof = throughput.decode_profile({"gpu": short, "host": host_s, "wall_s": 1.0, "busy_us": 1490.0,
+                                      "streams": {"7": 1490.0}},
+                                     {"gpu": long_, "host": host_l, "wall_s": 1.0 + 4 * 600e-6,
+                                      "busy_us": 1490.0 + 4 * 450.0, "streams": {"7": 1490.0 + 4 * 400.0,
+                                                                                 "9": 4 * 80.0}}, steps=4)
+    assert prof["busy_us"] == pytest.approx(450.0) and prof["streams_us"] == {"7": 400.0, "9": 80.0}
+    assert prof["gpu"]["rows"][:3] == [["gemm", 300.0, 24.0], ["attn_decode", 120.25, 8.0], ["indexer", 55.5, 8.0]]
+    assert prof["gpu"]["total_us"] == pytest.approx(300.0 + 120.25 + 55.5 + 2.0, abs=0.1)
+    assert prof["host"]["rows"] == [["cudaLaunchKernel", 70.5, 9.0], ["cudaGraphLaunch", 20.0, 1.0]]
+    assert prof["wall_us"] == pytest.approx(600.0, abs=0.1)
+    assert throughput.per_step(short, long_, steps=4, top=1)["rows"] == [["gemm", 300.0, 24.0]]
     res = dict(prefill_tok_s=1.0, decode_tok_s=1.0, prefill_s=[1.0], generate_s=[2.0], vendor_calls={},
-               decode_kernels=prof)
+               decode_profile=prof)
     meta = dict(layers=8, experts=16, prompts=32, prompt_len=4096, decode_steps=4, chunk=8192, repeats=2)
     md = throughput.report({"triton/bf16": res}, meta)
-    assert "GPU time per decode step, triton/bf16" in md and "| `attn_decode` | 120.2 | 8 |" in md
+    assert "Decode step, triton/bf16" in md and "wall 600.0 us" in md and "| `attn_decode` | 120.2 | 8 |" in md
+    assert "| `cudaLaunchKernel` | 70.5 | 9 |" in md and "GPU busy (any stream) 450.0 us, by stream: 7 400.0 us, 9 80.0" in md
+
+
+def test_gpu_busy_is_the_union_of_spans_and_each_stream_its_sum():
+    """Overlapping, nested, touching and disjoint spans (ns) on two streams, in any order."""
+    spans = [(5000, 9000, 2), (0, 4000, 1), (1000, 2000, 2), (4000, 6000, 1), (20000, 21000, 1), (8000, 8500, 1)]
+    busy, streams = throughput.gpu_busy(spans)
+    assert busy == pytest.approx(9.0 + 1.0)            # 0-9000 covered, then 20000-21000
+    assert streams == {"1": pytest.approx(4.0 + 2.0 + 1.0 + 0.5), "2": pytest.approx(4.0 + 1.0)}
+    assert throughput.gpu_busy([]) == (0.0, {})
+
+
+def test_kernel_times_splits_host_ops_from_kernels():
+    """A real profile of real work (here on the CPU): its host ops come back with their self CPU time and call
+    count, the wall time is measured, and no host op is counted as a kernel (no GPU here, so none at all)."""
+    import torch
+
+    a, b = torch.randn(96, 80), torch.randn(80, 64)
+    prof = throughput.kernel_times(lambda: [a @ b for _ in range(3)])
+    assert prof["host"]["aten::mm"][1] == 3 and prof["host"]["aten::mm"][0] > 0
+    assert prof["gpu"] == {} and prof["wall_s"] > 0
 
 
 def test_bad_run_names_are_refused():
