@@ -71,6 +71,8 @@ from .launch import gluon_wanted as _gluon_wanted
 from .launch import contiguous_strides as _contiguous_strides
 from .launch import off_device as _off_device
 from .launch import tensor_key as _tensor_key
+from .launch import pdl_kwargs as _pdl_kwargs
+from .pdl import pdl_wait
 
 __all__ = [
     "HEAD_DIM",
@@ -168,12 +170,13 @@ def _mqa_logits_kernel(
     stride_qm, stride_qh, stride_kn, stride_wm, stride_wh, stride_om,
     n_per_split, clean, out_width,
     D: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_MODE: tl.constexpr, COMPRESS: tl.constexpr = False,
+    DOT_MODE: tl.constexpr, COMPRESS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Prefill: program (pid_m, pid_s) scores query tokens [pid_m * BT, +BT) against the keys of
     split pid_s ([pid_s * n_per_split, +n_per_split)) that lie in the union of the tokens' ranges.
     COMPRESS (DeepGEMM's layout from vLLM 0.33.0): token m's key n goes to column n - ks[m] of an
     `out_width`-wide row and only [ks[m], ke[m]) is written; otherwise to column n (width N)."""
+    pdl_wait(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     m0 = pid_m * BT
@@ -273,13 +276,14 @@ def _paged_mqa_logits_kernel(
     stride_blk, stride_om,
     D: tl.constexpr, HP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr, SCALES_AHEAD: tl.constexpr = False, HOIST_Q: tl.constexpr = True,
-    NESTED: tl.constexpr = True, BS: tl.constexpr = 0,
+    NESTED: tl.constexpr = True, BS: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Decode, persistent: work item = (request b, key tile t) for query tokens [j0, j0 + T) of b.
     Request b has max(1, cdiv(len_b, BLOCK_N)) items (len_b: the furthest position any of its
     tokens sees, or max_model_len when cleaning); program p takes items
     [p * total / P, (p + 1) * total / P) in request-major order.  kv_ptr is the uint8 cache.
     BS: the cache block size as a constant (its divisions become shifts), 0: block_size at run time."""
+    pdl_wait(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
     block_size = BS if BS > 0 else block_size
     pid = tl.program_id(0)
     kvs_ptr = kv_ptr.to(tl.pointer_type(tl.float32))
@@ -903,7 +907,8 @@ class _PrefillPlan:
         self.grid = (m_groups, splits)
         self.ints = (M, N, H, q_strides[0], q_strides[1], k_stride, weights.stride(0), weights.stride(1),
                      out_stride, n_per_split, int(bool(clean_logits)), width)
-        self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                       **_pdl_kwargs(capability))
         self.kept = _Kept(_prefill_launch)
 
     def run(self, q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, out):
@@ -1146,7 +1151,8 @@ class _PagedPlan:
         self.default_gluon = cfg.GLUON and config is None
         self.u8 = cfg.DOT_MODE in (DOT_BF16, DOT_BYTES_FP32)  # sm_80/86 Triton has no e4m3 type: raw bytes
         self.grid = (programs,)
-        self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.kw = dict(D=D, **cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                       **_pdl_kwargs(capability))
         if cfg.CONST_BS:
             self.kw["BS"] = block_size
         if cfg.maxnreg:

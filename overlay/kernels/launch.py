@@ -35,7 +35,7 @@ import triton
 
 __all__ = ["DirectLauncher", "KeptLaunch", "PlanTable", "reset_plans", "DIRECT_LAUNCH_ENV", "direct_launch_enabled",
            "env_switch", "build_failed", "build_failure_text", "GLUON_ENV", "gluon_wanted", "tensor_key",
-           "off_device", "contiguous_strides"]
+           "off_device", "contiguous_strides", "PDL_ENV", "pdl_launch", "pdl_kwargs"]
 
 DIRECT_LAUNCH_ENV = "DSA_OVERLAY_DIRECT_LAUNCH"
 _SUPPORTED_TRITON = ("3.6",)
@@ -56,6 +56,29 @@ def env_switch(name: str, off_means: str, environ=None) -> bool:
     if value in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"{name}={env.get(name)!r} is not understood; set it to 0 ({off_means}) or 1 / unset it")
+
+
+PDL_ENV = "DSA_OVERLAY_PDL"
+
+
+def pdl_launch(capability, environ=None) -> bool:
+    """Whether the kernels launch with programmatic dependent launch (PDL) on a GPU of `capability` ((major, minor),
+    None for the interpreter): the launch may begin while the kernel before it on the stream drains, and the kernel
+    waits (``griddepcontrol.wait``, its first instruction) until that one's memory is visible. sm_90 and later only
+    (sm_80-89 have no PDL), never interpreted. Read when a launch plan is made. Opt-in until measured end to end:
+    ``DSA_OVERLAY_PDL=1`` (true/on/yes) turns it on; unset or 0 (false/off/no) leaves it off; anything else is an
+    error naming the variable."""
+    env = os.environ if environ is None else environ
+    if not env.get(PDL_ENV, "").strip():
+        return False
+    on = env_switch(PDL_ENV, "ordinary launches", environ)
+    return on and capability is not None and tuple(capability) >= (9, 0) and not _interpreted()
+
+
+def pdl_kwargs(capability, environ=None) -> dict:
+    """The launch keywords of a kernel with a ``PDL`` constexpr (its pdl.py wait) on `capability`: ``PDL`` and
+    Triton's ``launch_pdl`` option where :func:`pdl_launch` says so, else none (the kernels' defaults: off)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_launch(capability, environ) else {}
 
 
 GLUON_ENV = "DSA_OVERLAY_GLUON"
@@ -240,7 +263,7 @@ class DirectLauncher:
             return  # not loaded (the launch did not happen): keep the JIT path
         tail = self._tail(kwargs)
         if tail is None or any(k not in {p.name for p in self._constexpr} for k in kwargs
-                               if k not in ("num_warps", "num_stages", "maxnreg")):
+                               if k not in ("num_warps", "num_stages", "maxnreg", "launch_pdl")):
             return  # an option this mirror does not know (num_ctas, ...): keep the JIT path
         self._cache[key] = (kernel, tail)
 

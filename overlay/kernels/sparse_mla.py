@@ -72,6 +72,8 @@ from .launch import gluon_wanted as _gluon_wanted
 from .launch import contiguous_strides as _contiguous_strides
 from .launch import off_device as _off_device
 from .launch import tensor_key as _tensor_key
+from .launch import pdl_kwargs as _pdl_kwargs
+from .pdl import pdl_wait
 from .sparse_mla_sm90 import GLUON as _GLUON
 from .sparse_mla_sm90 import WS as _WS
 from .sparse_mla_sm90 import WS_FP8 as _WS_FP8
@@ -185,8 +187,9 @@ def _sparse_mla_fwd_kernel(
     sm_scale_log2,
     IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
-    PAGED: tl.constexpr = False, SKIP_TAIL: tl.constexpr = True,
+    PAGED: tl.constexpr = False, SKIP_TAIL: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
     # program -> (token, split, value half, head group), head group fastest: programs that share a
     # token's KV rows run side by side and hit L2 for each other.
     # PAGED: idx holds request-local positions p; the row read is block_table[req[t], p // block_size] at offset
@@ -329,12 +332,13 @@ def _sparse_mla_fwd_kernel(
 
 @triton.jit
 def _request_slots_kernel(idx_ptr, req_ptr, bt_ptr, slot_ptr, topk, block_size, max_blocks, stride_it, stride_btr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Request-local top-k positions -> global slot ids (-1 where invalid), BLOCK of one token's per program:
     slot = block_table[req_id[t], p // block_size] * block_size + p % block_size; p < 0, a block past the table
     or a negative table entry give -1 (the attention kernel skips it). One launch instead of the torch ops of
     the backend's conversion (host launch cost). Used where the attention kernel does not convert inline (PAGED):
     outside the latency regime, and for tiles too large to do it without spilling (see INLINE_PAGED_MAX_BLOCK_H)."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < topk
@@ -353,7 +357,7 @@ def _sparse_mla_combine_kernel(
     po_ptr, plse_ptr, out_ptr, lse_ptr,
     H, num_splits,
     stride_ot, stride_oh, stride_lt, stride_lh,
-    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge the num_splits normalised partials of one (token, head) row by their lse, for BLOCK_D of the
     512 output columns (program axis 1).
@@ -366,6 +370,7 @@ def _sparse_mla_combine_kernel(
     shared-memory reduction, kept only for > 16 splits, where rows are few). CHUNK_S is fixed per bucket,
     so a new split count never recompiles. Every split's partial is written by the forward kernel (zeros
     for an empty split, whose lse is -inf and weight 0)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     pd = tl.program_id(1)
     t = pid // H
@@ -1122,6 +1127,7 @@ class _Plan:
         if T == 0:
             return
         capability, sm_count = _device_info(q.device)
+        pdl = _pdl_kwargs(capability)
         if config is None:
             config = choose_config(T, H, topk, kv_format, sm_count=sm_count, capability=capability)
             self.default_gluon = config.gluon
@@ -1139,7 +1145,7 @@ class _Plan:
         if self.convert:
             self.slots_grid = (T, _cdiv(topk, _SLOTS_BLOCK))
             self.slots_ints = (topk, block_size, block_table.shape[1], idx_row, block_table.stride(0))
-            self.slots_kw = dict(BLOCK=_SLOTS_BLOCK, num_warps=4, num_stages=1)
+            self.slots_kw = dict(BLOCK=_SLOTS_BLOCK, num_warps=4, num_stages=1, **pdl)
         if bh not in (16, 32, 64, 128) or bn not in (16, 32, 64, 128):
             raise ValueError(f"sparse_mla_attention: bad config {config}: block_h and block_n must be 16..128, "
                              "powers of two")
@@ -1165,14 +1171,14 @@ class _Plan:
             BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=config.dv_split,
             FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla", PAGED=self.inline,
             SKIP_TAIL=SKIP_TAIL and split_len >= SKIP_TAIL_MIN_BLOCKS * bn,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
         if config.gluon:  # its gather buffers are num_stages; Triton does not software-pipeline Gluon code
             self.fwd_kw.update(NUM_BUF=config.num_stages, P_SWIZZLE=min(128, 2 * bn), num_stages=1)
         if self.split:
             chunk, block_d = _combine_bucket(num_splits)
             self.comb_grid = (T * H, KV_LORA_RANK // block_d)
             self.comb_ints = (H, num_splits) + out_s + lse_s
-            self.comb_kw = dict(CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1)
+            self.comb_kw = dict(CHUNK_S=chunk, BLOCK_D=block_d, num_warps=4, num_stages=1, **pdl)
 
     def run(self, q, kv_cache, indices, softmax_scale, out, lse, block_table, req_id):
         T, H = self.T, self.H

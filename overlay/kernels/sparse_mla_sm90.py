@@ -49,6 +49,8 @@ try:  # Gluon arrived in Triton 3.5; its Hopper API (warpgroup_mma, async_copy) 
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
+from .pdl import pdl_wait_gluon  # noqa: E402
+
 GLUON = gluon is not None
 # The warp-specialised tile needs warp_specialize([(function, args), ...], ...) (Triton 3.6 on); Triton 3.5 has another
 # signature for it, and there the 8-warp tile stays the only sm_90 one.
@@ -228,8 +230,9 @@ if GLUON:
         IS_FP8: gl.constexpr, FP8_NATIVE: gl.constexpr, SPLIT: gl.constexpr, DOT_F32: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DV_SPLIT: gl.constexpr = 1, FP8_POST: gl.constexpr = False,
         PAGED: gl.constexpr = False, SKIP_TAIL: gl.constexpr = True, NUM_BUF: gl.constexpr = 2,
-        P_SWIZZLE: gl.constexpr = 128,
+        P_SWIZZLE: gl.constexpr = 128, PDL: gl.constexpr = False,
     ):
+        pdl_wait_gluon(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
         # P_SWIZZLE: the swizzle of P's [64, BLOCK_N] bf16 rows, min(128, 2 * BLOCK_N) bytes (the launcher's).
         # The Triton kernel's argument list, so one launch plan serves both; the variants it has and this one
         # has not are refused at compile time (the config check refuses them first).
@@ -797,8 +800,9 @@ if GLUON:
         IS_FP8: gl.constexpr, FP8_NATIVE: gl.constexpr, SPLIT: gl.constexpr, DOT_F32: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DV_SPLIT: gl.constexpr = 1, FP8_POST: gl.constexpr = False,
         PAGED: gl.constexpr = False, SKIP_TAIL: gl.constexpr = True, NUM_BUF: gl.constexpr = 2,
-        P_SWIZZLE: gl.constexpr = 128,
+        P_SWIZZLE: gl.constexpr = 128, PDL: gl.constexpr = False,
     ):
+        pdl_wait_gluon(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
         gl.static_assert(not IS_FP8 or FP8_NATIVE, "fp8_ds_mla: native e4m3 conversion (sm_90)")
         gl.static_assert(not PAGED, "the sm_90 Gluon kernel reads slot ids")
         gl.static_assert(DV_SPLIT == 1, "the sm_90 Gluon kernel has no dv_split")

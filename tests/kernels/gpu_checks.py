@@ -323,6 +323,83 @@ def test_direct_launch_is_bit_identical_to_the_jit_entry():
         assert torch.equal(res[0], res[1]) and torch.equal(res[0], res[2]), case.what
 
 
+def test_pdl_launches_compute_what_ordinary_ones_do(monkeypatch):
+    """DSA_OVERLAY_PDL=1 (sm_90 and later): every kernel, launched with programmatic dependent launch right after a
+    torch kernel that rewrites its input (NaN first, then the values: a launch that read before its
+    griddepcontrol.wait would see NaN or half a copy), gives bit for bit what ordinary launches give, eager and
+    replayed from a CUDA graph. Attention on slot ids (bf16 and fp8_ds_mla at a decode batch: sm_90's Gluon tiles;
+    a split) and on request-local indices (conversion, attention, merge: three launches in a row); the indexer's
+    prefill and paged logits (next_n=2: sm_90's Gluon decode kernel). Before sm_90 the switch must change nothing."""
+    from overlay import triton_mla_sparse_ops as ops
+
+    calls = []
+
+    def rewritten(x):
+        """A buffer the call reads, rewritten by two torch kernels right before it."""
+        buf = torch.empty_like(x)
+
+        def fill():
+            buf.view(torch.uint8).fill_(0xFF)
+            buf.copy_(x)
+            return buf
+        return fill
+
+    for fmt, T, H in (("bf16", 32, 64), ("fp8_ds_mla", 32, 64), ("bf16", 4, 16)):
+        case = C.mla_case(640 + T + H, fmt, H=H, topk=2048, T=T, block_size=64, num_blocks=40)
+        q, cache, idx = rewritten(case.q.cuda()), case.cache.cuda(), rewritten(case.idx.cuda())
+        calls.append(lambda q=q, cache=cache, idx=idx, case=case: SM.sparse_mla_attention(
+            q(), cache, idx(), case.scale, case.fmt))
+    g = torch.Generator().manual_seed(650)
+    bs, nb, T, H, topk = 64, 48, 37, 16, 2048
+    cache = C.mla_cache(g, nb, bs, "bf16").cuda()
+    bt = torch.randperm(nb, generator=g)[:45].view(3, 15).to(torch.int32).cuda()
+    rid = torch.tensor([0] * 10 + [1] * 20 + [2] * 7, dtype=torch.int32).cuda()
+    loc = rewritten(torch.randint(-2, 15 * bs + 40, (T, topk), generator=g, dtype=torch.int32).cuda())
+    qq = rewritten((torch.randn(T, H, 576, generator=g) * 0.7).to(torch.bfloat16).cuda())
+    calls.append(lambda: ops.sparse_mla_forward(qq(), cache, loc(), rid, bt, bs, 0.05, "bf16"))
+    pc = C.prefill_case(651, 300, 1500, 32).to("cuda")
+    pq = rewritten(pc.q)
+    calls.append(lambda: IX.fp8_mqa_logits(pq(), (pc.k, pc.k_scales), pc.w, pc.ks, pc.ke, True))
+    for seed, next_n, H in ((652, 2, 32), (653, 1, 64)):
+        case = C.paged_case(seed, 5, next_n, H, 64, [1, 700, 64, 0, 3000], max_model_len=3072).to("cuda")
+        iq = rewritten(case.q)
+        calls.append(lambda case=case, iq=iq: IX.fp8_paged_mqa_logits(iq(), case.cache, case.w, case.cl, case.tables,
+                                                                      None, case.max_model_len, True))
+
+    def outputs(pdl: str):
+        monkeypatch.setenv("DSA_OVERLAY_PDL", pdl)
+        reset_plans()
+
+        def flat(res):
+            return [t for t in (res if isinstance(res, tuple) else (res,)) if t is not None]
+
+        eager = [[t.clone() for t in flat(f())] for f in calls]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # plans made outside the capture
+            for f in calls:
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [flat(f()) for f in calls]
+        for o in outs:
+            for t in o:
+                t.view(torch.uint8).fill_(0xFF)
+        graph.replay()
+        torch.cuda.synchronize()
+        return eager, [[t.clone() for t in o] for o in outs]
+
+    plain, plain_graph = outputs("0")
+    pdl, pdl_graph = outputs("1")
+    expect = torch.cuda.get_device_capability() >= (9, 0)
+    assert SM._PLANS.on and next(iter(SM._PLANS.plans.values())).fwd_kw.get("launch_pdl", False) is expect
+    for i, (a, b, c, d) in enumerate(zip(plain, plain_graph, pdl, pdl_graph)):
+        for w, x, y, z in zip(a, b, c, d):
+            assert torch.equal(w, x) and torch.equal(w, y) and torch.equal(w, z), i
+    reset_plans()
+
+
 def test_backend_forward_with_request_local_indices():
     """The backend's per-layer call (the (q_nope, q_pe) pair read in place, request-local top-k converted inside the
     attention kernel) equals converting the indices with the backend's torch conversion first and passing the

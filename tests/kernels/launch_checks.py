@@ -386,3 +386,62 @@ def test_a_planned_repeat_prefill_logits_call_launches_what_the_jit_entry_launch
             assert len(IX._PREFILL_PLANS) == 2
         with pytest.raises(ValueError, match=r"weights must be \[M=32"):
             call(32, M)  # a bad call is refused, planned or not
+
+
+def _pdl_of(kernel) -> tuple[bool, bool]:
+    """(Triton's launch_pdl option, the kernel's PDL constexpr) of a stand-in compiled kernel."""
+    fn = kernel.src.fn
+    return bool(kernel.options.get("launch_pdl")), bool(kernel.src.constants.get((fn.arg_names.index("PDL"),), False))
+
+
+@pytest.mark.parametrize("capability,env,on", [((9, 0), "1", True), ((12, 0), "on", True), ((8, 9), "1", False),
+                                               ((9, 0), None, False), ((9, 0), "0", False)],
+                         ids=["sm90-on", "sm120-on", "sm89-no-pdl", "sm90-unset", "sm90-off"])
+def test_pdl_launches_only_where_asked_and_possible_and_stay_direct(monkeypatch, capability, env, on):
+    """DSA_OVERLAY_PDL=1 on sm_90 and later: every launch of an attention call (slot conversion, attention, split
+    merge) and of both indexer calls is built with Triton's launch_pdl option and the kernel's PDL wait; never on
+    sm_89 and older, never unset or 0. The repeat call still launches the kept binaries directly."""
+    if env is None:
+        monkeypatch.delenv("DSA_OVERLAY_PDL", raising=False)
+    else:
+        monkeypatch.setenv("DSA_OVERLAY_PDL", env)
+    for mod in (SM, IX):
+        monkeypatch.setattr(mod, "_device_info", lambda device: (capability, 132))
+    monkeypatch.setattr(IX, "GLUON_DEFAULT", False)
+    monkeypatch.setattr(IX, "decode_config", functools.cache(IX.decode_config.__wrapped__))
+    g = torch.Generator().manual_seed(7)
+    T, H, topk = 40, 16, 256   # request-local indices, a split: three launches
+    q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16)
+    kv = torch.randn(8, 64, 576, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, 300, (T, topk), generator=g, dtype=torch.int32)
+    bt = torch.randint(0, 8, (3, 6), generator=g, dtype=torch.int32)
+    req = torch.randint(0, 3, (T,), generator=g, dtype=torch.int32)
+    B, IH, D, bs = 3, 32, 128, 64
+    iq = torch.randn(B, 1, IH, D, generator=g).to(torch.float8_e4m3fn)
+    ikv = torch.randint(0, 255, (6 * bs * (D + 4),), generator=g, dtype=torch.uint8).view(6, bs, 1, D + 4)
+    w = torch.randn(B, IH, generator=g)
+    lens = torch.randint(1, 5 * bs, (B,), generator=g, dtype=torch.int32)
+    M, N = 33, 300
+    pq = torch.randn(M, IH, D, generator=g).to(torch.float8_e4m3fn)
+    pk = (torch.randn(N, D, generator=g).to(torch.float8_e4m3fn), torch.rand(N, generator=g))
+    ks = torch.zeros(M, dtype=torch.int32)
+    ke = torch.randint(1, N, (M,), generator=g, dtype=torch.int32)
+
+    calls = [lambda: SM.sparse_mla_attention(q, kv, idx, 0.07, "bf16", block_table=bt, req_id=req),
+             lambda: IX.fp8_paged_mqa_logits(iq, ikv, w, lens, bt[:, :5], None, 4 * bs * 2, False),
+             lambda: IX.fp8_mqa_logits(pq, pk, torch.randn(M, IH, generator=g), ks, ke, False)]
+    with fake_triton(capability[0] * 10 + capability[1]) as fake:
+        _fresh_module_launchers()
+        for call in calls:
+            call()
+        built = list(fake.compiled)
+        assert len(built) == 5
+        assert {k.src.fn.__name__ for k in built} == {"_request_slots_kernel", "_sparse_mla_fwd_kernel",
+                                                      "_sparse_mla_combine_kernel", "_paged_mqa_logits_kernel",
+                                                      "_mqa_logits_kernel"}
+        assert [_pdl_of(k) for k in built] == [(on, on)] * 5
+        n, direct = len(fake.launches), sum(x.direct_calls for x in SM.LAUNCHERS + IX.LAUNCHERS)
+        for call in calls:
+            call()
+        assert len(fake.compiled) == 5 and len(fake.launches) - n == 5
+        assert sum(x.direct_calls for x in SM.LAUNCHERS + IX.LAUNCHERS) - direct == 5

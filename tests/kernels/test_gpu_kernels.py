@@ -34,6 +34,7 @@ GROUPS = [
     "test_sm90_indexer_default_is_the_gluon_kernel_where_the_table_says",
     "test_direct_launch_is_bit_identical_to_the_jit_entry",
     "test_backend_forward_with_request_local_indices",
+    "test_pdl_launches_compute_what_ordinary_ones_do",
     "test_fp8_prefill_workspace_on_gpu",
 ]
 

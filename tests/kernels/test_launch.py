@@ -35,6 +35,26 @@ def test_kill_switch_values():
         L.direct_launch_enabled({L.DIRECT_LAUNCH_ENV: "maybe"})
 
 
+def test_pdl_is_opt_in_and_only_from_sm90_compiled(monkeypatch):
+    """DSA_OVERLAY_PDL: off unless set to 1 (true/on/yes); on only for sm_90 and later (sm_80-89 have no PDL) and
+    never interpreted; a value it does not know is an error naming it. pdl_kwargs: the kernels' PDL constexpr and
+    Triton's launch_pdl option together, or nothing."""
+    L = _launch_module()
+    monkeypatch.setattr(L, "_interpreted", lambda: False)
+    on = {L.PDL_ENV: "1"}
+    for cap in ((9, 0), (10, 0), (12, 0), (12, 1)):
+        assert L.pdl_launch(cap, on) and L.pdl_launch(cap, {L.PDL_ENV: " Yes "})
+        assert L.pdl_kwargs(cap, on) == {"PDL": True, "launch_pdl": True}
+    for cap in ((8, 0), (8, 6), (8, 9), None):
+        assert not L.pdl_launch(cap, on) and L.pdl_kwargs(cap, on) == {}
+    for env in ({}, {L.PDL_ENV: ""}, {L.PDL_ENV: "0"}, {L.PDL_ENV: "off"}):
+        assert not L.pdl_launch((9, 0), env) and L.pdl_kwargs((9, 0), env) == {}
+    with pytest.raises(ValueError, match="DSA_OVERLAY_PDL='2' is not understood"):
+        L.pdl_launch((9, 0), {L.PDL_ENV: "2"})
+    monkeypatch.setattr(L, "_interpreted", lambda: True)
+    assert not L.pdl_launch((9, 0), on)
+
+
 def test_direct_launch_against_the_jit_entry_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",

@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Programmatic dependent launch (PDL), the device side: the wait a kernel launched with PDL makes first.
+
+A kernel launched with Triton's ``launch_pdl=True`` option (``cudaLaunchKernelEx`` with programmatic stream
+serialization) may start while the kernel before it on the stream is still draining; ``griddepcontrol.wait``
+blocks until that kernel has finished and its memory is visible. Every kernel here calls :func:`pdl_wait` (or, in
+Gluon code, :func:`pdl_wait_gluon`) before its first load, so a PDL launch reads nothing early; with ``PDL``
+False (every GPU before sm_90, the interpreter, and sm_90+ unless ``DSA_OVERLAY_PDL=1``:
+``launch.pdl_launch``) it compiles to nothing. Kernels without the wait must never be launched with PDL.
+
+Self-contained: triton only.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+try:  # Gluon arrived in Triton 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # pragma: no cover - older Triton
+    gluon = gl = None
+
+__all__ = ["pdl_wait", "pdl_wait_gluon"]
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel on the stream (and its memory) where launched with PDL; nothing otherwise."""
+    if PDL:
+        gdc_wait()
+
+
+if gluon is not None:
+    @gluon.jit
+    def pdl_wait_gluon(PDL: gl.constexpr):
+        """pdl_wait for Gluon kernels (Triton's gdc_wait is a Triton-language builtin; this is its instruction)."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+else:  # pragma: no cover
+    pdl_wait_gluon = None
