@@ -16,7 +16,8 @@ CUDA graphs on (capture sizes up to the batch), prefill chunks of --chunk tokens
 
 Runs (``--runs``, comma separated ``path:cache``): path ``upstream`` = FLASHMLA_SPARSE + DeepGEMM (asked
 for by name), ``triton`` = DSA_OVERLAY_PORTABLE=1 (TRITON_MLA_SPARSE + the Triton indexer; a vendor DSA
-entry point raises); cache ``bf16`` or ``fp8_ds_mla``. The vLLM on PYTHONPATH is used as it is (apply the
+entry point raises), ``triton_pdl`` = the same with DSA_OVERLAY_PDL=1 (programmatic dependent launch); cache
+``bf16`` or ``fp8_ds_mla``. The vLLM on PYTHONPATH is used as it is (apply the
 overlay first). Results go to throughput.json in the --out folder after every run (a later call with the
 same --out adds to them), the table to throughput.md beside it:
 
@@ -44,7 +45,7 @@ if str(REPO) not in sys.path:
 
 from bench.e2e.plan import ATTENTION_BACKEND, VENDOR_ENTRY_POINTS  # noqa: E402
 
-PATHS = ("upstream", "triton")
+PATHS = ("upstream", "triton", "triton_pdl")
 CACHES = {"bf16": "auto", "fp8_ds_mla": "fp8_ds_mla"}
 DEFAULT_RUNS = "upstream:bf16,triton:bf16,upstream:fp8_ds_mla,triton:fp8_ds_mla"
 
@@ -208,12 +209,14 @@ def decode_profile(short: dict, long_: dict, steps: int) -> dict:
 def worker(spec: dict) -> dict:
     """One engine (this process): the spec's run, measured. vLLM is imported here only."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["DSA_OVERLAY_PORTABLE"] = "1" if spec["path"] == "triton" else "0"
+    portable = spec["path"] in ("triton", "triton_pdl")
+    os.environ["DSA_OVERLAY_PORTABLE"] = "1" if portable else "0"
+    os.environ["DSA_OVERLAY_PDL"] = "1" if spec["path"] == "triton_pdl" else "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     vendor_calls: dict = {}
-    if spec["path"] == "triton":   # proof that no vendor DSA kernel serves this run: any call raises
+    if portable:   # proof that no vendor DSA kernel serves this run: any call raises
         from bench.e2e.worker import _instrument
 
         _instrument(VENDOR_ENTRY_POINTS, vendor_calls, raise_on_call=True)
@@ -261,7 +264,8 @@ def report(results: dict, meta: dict) -> str:
         f"Model: GLM-5 shapes, {meta['layers']} layers, {meta['experts']} routed experts (top-8), dummy weights; "
         f"{meta['prompts']} prompts x {meta['prompt_len']} tokens, prefill chunk {meta['chunk']}, decode "
         f"{meta['decode_steps']} steps at batch {meta['prompts']}, CUDA graphs on, prefix caching off, best of "
-        f"{meta['repeats']}. upstream = FLASHMLA_SPARSE + DeepGEMM; triton = DSA_OVERLAY_PORTABLE=1.", "",
+        f"{meta['repeats']}. upstream = FLASHMLA_SPARSE + DeepGEMM; triton = DSA_OVERLAY_PORTABLE=1; triton_pdl = "
+        "the same with DSA_OVERLAY_PDL=1 (programmatic dependent launch).", "",
         "| cache | prefill tok/s upstream | prefill tok/s triton | ratio | decode tok/s upstream | "
         "decode tok/s triton | ratio |",
         "|---|---|---|---|---|---|---|",
@@ -279,11 +283,12 @@ def report(results: dict, meta: dict) -> str:
             return "-"
         return f"{b[key] / a[key]:.2f}x"
 
-    for cache in CACHES:
-        up, tr = results.get(run_name("upstream", cache)), results.get(run_name("triton", cache))
-        if up is None and tr is None:
+    for cache, path in ((c, p) for p in PATHS[1:] for c in CACHES):
+        up, tr = results.get(run_name("upstream", cache)), results.get(run_name(path, cache))
+        if tr is None and (up is None or path != "triton"):
             continue
-        lines.append(f"| {cache} | {cell(up, 'prefill_tok_s')} | {cell(tr, 'prefill_tok_s')} | "
+        label = cache if path == "triton" else f"{cache} ({path})"
+        lines.append(f"| {label} | {cell(up, 'prefill_tok_s')} | {cell(tr, 'prefill_tok_s')} | "
                      f"{ratio(up, tr, 'prefill_tok_s')} | {cell(up, 'decode_tok_s')} | {cell(tr, 'decode_tok_s')} | "
                      f"{ratio(up, tr, 'decode_tok_s')} |")
     lines += ["", "Per run (wall times in s: prefill calls, prefill + decode calls):", ""]
@@ -324,7 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per engine process")
     ap.add_argument("--out", default=os.environ.get("OUT", "throughput_out"))
-    ap.add_argument("--profile", action="store_true", help="GPU kernels, host ops and wall time per decode step (torch.profiler)")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU kernels, host ops and wall time per decode step (torch.profiler)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:

@@ -95,11 +95,14 @@ def test_report_ratios_and_failed_runs():
                 how="vLLM 0.26.0")
     md = throughput.report({"upstream/bf16": ok(40000.0, 2000.0), "triton/bf16": ok(30000.0, 2500.0),
                             "upstream/fp8_ds_mla": ok(35000.0, 2200.0),
-                            "triton/fp8_ds_mla": {"error": "exit 1", "log": "boom"}}, meta)
+                            "triton/fp8_ds_mla": {"error": "exit 1", "log": "boom"},
+                            "triton_pdl/fp8_ds_mla": ok(35000.0, 2310.0)}, meta)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in md.splitlines() if line.startswith("| bf16") or line.startswith("| fp8_ds_mla")}
     assert rows["bf16"] == ["40000", "30000", "0.75x", "2000", "2500", "1.25x"]
     assert rows["fp8_ds_mla"] == ["35000", "failed", "-", "2200", "failed", "-"]
+    assert rows["fp8_ds_mla (triton_pdl)"] == ["35000", "35000", "1.00x", "2200", "2310", "1.05x"]
+    assert "bf16 (triton_pdl)" not in rows and len(rows) == 3
     assert "triton/fp8_ds_mla: exit 1" in md
 
 
@@ -153,8 +156,8 @@ def test_kernel_times_splits_host_ops_from_kernels():
 
 
 def test_bad_run_names_are_refused():
-    assert throughput.parse_runs("upstream:bf16, triton:fp8_ds_mla") == [("upstream", "bf16"),
-                                                                         ("triton", "fp8_ds_mla")]
+    assert throughput.parse_runs("upstream:bf16, triton:fp8_ds_mla,triton_pdl:bf16") == [
+        ("upstream", "bf16"), ("triton", "fp8_ds_mla"), ("triton_pdl", "bf16")]
     for bad in ("flashmla:bf16", "triton:fp8", "triton"):
         with pytest.raises(SystemExit, match="bad run"):
             throughput.parse_runs(bad)
