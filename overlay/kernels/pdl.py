@@ -3,10 +3,11 @@
 
 A kernel launched with Triton's ``launch_pdl=True`` option (``cudaLaunchKernelEx`` with programmatic stream
 serialization) may start while the kernel before it on the stream is still draining; ``griddepcontrol.wait``
-blocks until that kernel has finished and its memory is visible. Every kernel here calls :func:`pdl_wait` (or, in
-Gluon code, :func:`pdl_wait_gluon`) before its first load, so a PDL launch reads nothing early; with ``PDL``
-False (every GPU before sm_90, the interpreter, and sm_90+ unless ``DSA_OVERLAY_PDL=1``:
-``launch.pdl_launch``) it compiles to nothing. Kernels without the wait must never be launched with PDL.
+blocks until that kernel has finished and its memory is visible. Every kernel a launch plan can start with PDL
+(attention, slot conversion, split merge, both indexer kernels; Triton and sm_90 Gluon) calls :func:`pdl_wait` (or,
+in Gluon code, :func:`pdl_wait_gluon`) before its first load, so a PDL launch reads nothing early; with ``PDL``
+False (every GPU before sm_90, the interpreter, and sm_90+ unless ``DSA_OVERLAY_PDL=1``: ``launch.pdl_launch``)
+it compiles to nothing. A kernel without the wait (fp8_workspace's up-conversion) is never launched with PDL.
 
 Self-contained: triton only.
 """
