@@ -46,16 +46,20 @@ except ImportError:  # pragma: no cover - older Triton: no direct launch
     _specialize = None
 
 
-def env_switch(name: str, off_means: str, environ=None) -> bool:
-    """An on/off environment switch that defaults to on: unset or 1 (true/on/yes) -> True, 0 (false/off/no) ->
-    False; anything else is a one-line error naming the variable and what 0 does (``off_means``)."""
+def env_switch(name: str, off_means: str, environ=None, default: bool = True) -> bool:
+    """An on/off environment switch: unset (or empty) -> `default` (on unless said), 1 (true/on/yes) -> True,
+    0 (false/off/no) -> False; anything else is a one-line error naming the variable and what 0 does
+    (``off_means``)."""
     env = os.environ if environ is None else environ
     value = env.get(name, "").strip().lower()
-    if value in ("", "1", "true", "on", "yes"):
+    if not value:
+        return default
+    if value in ("1", "true", "on", "yes"):
         return True
     if value in ("0", "false", "off", "no"):
         return False
-    raise ValueError(f"{name}={env.get(name)!r} is not understood; set it to 0 ({off_means}) or 1 / unset it")
+    how = f"0 ({off_means}) or 1 / unset it" if default else f"1, or 0 / unset it ({off_means})"
+    raise ValueError(f"{name}={env.get(name)!r} is not understood; set it to {how}")
 
 
 PDL_ENV = "DSA_OVERLAY_PDL"
@@ -68,10 +72,7 @@ def pdl_launch(capability, environ=None) -> bool:
     (sm_80-89 have no PDL), never interpreted. Read when a launch plan is made. Opt-in until measured end to end:
     ``DSA_OVERLAY_PDL=1`` (true/on/yes) turns it on; unset or 0 (false/off/no) leaves it off; anything else is an
     error naming the variable."""
-    env = os.environ if environ is None else environ
-    if not env.get(PDL_ENV, "").strip():
-        return False
-    on = env_switch(PDL_ENV, "ordinary launches", environ)
+    on = env_switch(PDL_ENV, "ordinary launches", environ, default=False)
     return on and capability is not None and tuple(capability) >= (9, 0) and not _interpreted()
 
 

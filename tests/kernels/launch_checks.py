@@ -390,8 +390,8 @@ def test_a_planned_repeat_prefill_logits_call_launches_what_the_jit_entry_launch
 
 def _pdl_of(kernel) -> tuple[bool, bool]:
     """(Triton's launch_pdl option, the kernel's PDL constexpr) of a stand-in compiled kernel."""
-    fn = kernel.src.fn
-    return bool(kernel.options.get("launch_pdl")), bool(kernel.src.constants.get((fn.arg_names.index("PDL"),), False))
+    pdl_index = kernel.src.fn.arg_names.index("PDL")
+    return bool(kernel.options.get("launch_pdl")), bool(kernel.src.constants.get((pdl_index,), False))
 
 
 @pytest.mark.parametrize("capability,env,on", [((9, 0), "1", True), ((12, 0), "on", True), ((8, 9), "1", False),

@@ -25,7 +25,8 @@ _FIRST_LOAD = re.compile(r"\bld\.global|\bcp\.async\.c[ag]\.shared\.global|\bld\
 
 
 def _builds(cc: int):
-    """(name, kernel, pointer types, 16-divisible arguments, constexprs, options) of one build of every PDL-capable kernel for sm_<cc>."""
+    """(name, kernel, pointer types, 16-divisible arguments, constexprs, options): one build of every PDL-capable
+    kernel for sm_<cc>."""
     from _sparse_mla_args import DIVISIBLE, fwd_pointer_types
 
     from overlay.kernels import indexer as IX
@@ -53,8 +54,8 @@ def _builds(cc: int):
          dict(BLOCK=SM._SLOTS_BLOCK), dict(num_warps=4, num_stages=1)),
         ("prefill logits", IX._mqa_logits_kernel, idx_ptrs, idx_div, dict(D=IX.HEAD_DIM, **pre.constexprs()),
          dict(num_warps=pre.num_warps, num_stages=pre.num_stages)),
-        ("paged logits", IX._paged_mqa_logits_kernel, idx_ptrs, idx_div, dict(D=IX.HEAD_DIM, BS=64, **dec.constexprs()),
-         dict(num_warps=dec.num_warps, num_stages=dec.num_stages)),
+        ("paged logits", IX._paged_mqa_logits_kernel, idx_ptrs, idx_div,
+         dict(D=IX.HEAD_DIM, BS=64, **dec.constexprs()), dict(num_warps=dec.num_warps, num_stages=dec.num_stages)),
     ]
     if cc == 90 and S90.GLUON:
         g = IX.DECODE_GLUON[(2, 32)]
