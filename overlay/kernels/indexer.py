@@ -72,7 +72,7 @@ from .launch import contiguous_strides as _contiguous_strides
 from .launch import off_device as _off_device
 from .launch import tensor_key as _tensor_key
 from .launch import pdl_kwargs as _pdl_kwargs
-from .pdl import pdl_wait
+from .pdl import pdl_enter
 
 __all__ = [
     "HEAD_DIM",
@@ -176,7 +176,7 @@ def _mqa_logits_kernel(
     split pid_s ([pid_s * n_per_split, +n_per_split)) that lie in the union of the tokens' ranges.
     COMPRESS (DeepGEMM's layout from vLLM 0.33.0): token m's key n goes to column n - ks[m] of an
     `out_width`-wide row and only [ks[m], ke[m]) is written; otherwise to column n (width N)."""
-    pdl_wait(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
+    pdl_enter(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     m0 = pid_m * BT
@@ -283,7 +283,7 @@ def _paged_mqa_logits_kernel(
     tokens sees, or max_model_len when cleaning); program p takes items
     [p * total / P, (p + 1) * total / P) in request-major order.  kv_ptr is the uint8 cache.
     BS: the cache block size as a constant (its divisions become shifts), 0: block_size at run time."""
-    pdl_wait(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
+    pdl_enter(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
     block_size = BS if BS > 0 else block_size
     pid = tl.program_id(0)
     kvs_ptr = kv_ptr.to(tl.pointer_type(tl.float32))

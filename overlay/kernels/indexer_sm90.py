@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
-from .pdl import pdl_wait_gluon  # noqa: E402
+from .pdl import pdl_enter_gluon  # noqa: E402
 
 GLUON = gluon is not None
 
@@ -112,7 +112,7 @@ if GLUON:
         D: gl.constexpr, HP: gl.constexpr, T: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_B: gl.constexpr, NUM_BUF: gl.constexpr = 4, BS: gl.constexpr = 0, PDL: gl.constexpr = False,
     ):
-        pdl_wait_gluon(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
+        pdl_enter_gluon(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
         block_size = BS if BS > 0 else block_size   # a constant block size: its divisions become shifts
         ONE: gl.constexpr = BS % BLOCK_N == 0 if BS > 0 else False   # every tile inside one cache block
         gl.static_assert(T == 1 or T == 2, "one or two query tokens per program")

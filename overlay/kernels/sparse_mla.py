@@ -73,7 +73,7 @@ from .launch import contiguous_strides as _contiguous_strides
 from .launch import off_device as _off_device
 from .launch import tensor_key as _tensor_key
 from .launch import pdl_kwargs as _pdl_kwargs
-from .pdl import pdl_wait
+from .pdl import pdl_enter
 from .sparse_mla_sm90 import GLUON as _GLUON
 from .sparse_mla_sm90 import WS as _WS
 from .sparse_mla_sm90 import WS_FP8 as _WS_FP8
@@ -189,7 +189,7 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
     PAGED: tl.constexpr = False, SKIP_TAIL: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
-    pdl_wait(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
+    pdl_enter(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
     # program -> (token, split, value half, head group), head group fastest: programs that share a
     # token's KV rows run side by side and hit L2 for each other.
     # PAGED: idx holds request-local positions p; the row read is block_table[req[t], p // block_size] at offset
@@ -338,7 +338,7 @@ def _request_slots_kernel(idx_ptr, req_ptr, bt_ptr, slot_ptr, topk, block_size, 
     or a negative table entry give -1 (the attention kernel skips it). One launch instead of the torch ops of
     the backend's conversion (host launch cost). Used where the attention kernel does not convert inline (PAGED):
     outside the latency regime, and for tiles too large to do it without spilling (see INLINE_PAGED_MAX_BLOCK_H)."""
-    pdl_wait(PDL)
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < topk
@@ -370,7 +370,7 @@ def _sparse_mla_combine_kernel(
     shared-memory reduction, kept only for > 16 splits, where rows are few). CHUNK_S is fixed per bucket,
     so a new split count never recompiles. Every split's partial is written by the forward kernel (zeros
     for an empty split, whose lse is -inf and weight 0)."""
-    pdl_wait(PDL)
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     pd = tl.program_id(1)
     t = pid // H

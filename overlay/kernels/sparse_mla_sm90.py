@@ -49,7 +49,7 @@ try:  # Gluon arrived in Triton 3.5; its Hopper API (warpgroup_mma, async_copy) 
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
-from .pdl import pdl_wait_gluon  # noqa: E402
+from .pdl import pdl_enter_gluon  # noqa: E402
 
 GLUON = gluon is not None
 # The warp-specialised tile needs warp_specialize([(function, args), ...], ...) (Triton 3.6 on); Triton 3.5 has another
@@ -232,7 +232,7 @@ if GLUON:
         PAGED: gl.constexpr = False, SKIP_TAIL: gl.constexpr = True, NUM_BUF: gl.constexpr = 2,
         P_SWIZZLE: gl.constexpr = 128, PDL: gl.constexpr = False,
     ):
-        pdl_wait_gluon(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
+        pdl_enter_gluon(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
         # P_SWIZZLE: the swizzle of P's [64, BLOCK_N] bf16 rows, min(128, 2 * BLOCK_N) bytes (the launcher's).
         # The Triton kernel's argument list, so one launch plan serves both; the variants it has and this one
         # has not are refused at compile time (the config check refuses them first).
@@ -802,7 +802,7 @@ if GLUON:
         PAGED: gl.constexpr = False, SKIP_TAIL: gl.constexpr = True, NUM_BUF: gl.constexpr = 2,
         P_SWIZZLE: gl.constexpr = 128, PDL: gl.constexpr = False,
     ):
-        pdl_wait_gluon(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
+        pdl_enter_gluon(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
         gl.static_assert(not IS_FP8 or FP8_NATIVE, "fp8_ds_mla: native e4m3 conversion (sm_90)")
         gl.static_assert(not PAGED, "the sm_90 Gluon kernel reads slot ids")
         gl.static_assert(DV_SPLIT == 1, "the sm_90 Gluon kernel has no dv_split")

@@ -1,8 +1,9 @@
 """Programmatic dependent launch (DSA_OVERLAY_PDL=1), cross-compiled without a GPU: every kernel a launch plan can
-start with PDL waits (``griddepcontrol.wait``) before its first global load, carries Triton's ``launch_pdl``
+start with PDL waits (``griddepcontrol.wait``) before its first global load and then, once, releases the next
+kernel's launch (``griddepcontrol.launch_dependents``), carries Triton's ``launch_pdl``
 option in its metadata (what makes its launcher use ``cudaLaunchKernelEx`` with programmatic stream
 serialization), and assembles for sm_90 and sm_120 (ptxas runs inside ``triton.compile``); without PDL, and on
-sm_80 where PDL does not exist, no wait is emitted.
+sm_80 where PDL does not exist, neither instruction is emitted.
 
 Run as a fresh subprocess without TRITON_INTERPRET (the suite's pytest interprets). On a GPU the check that a PDL
 launch computes the same as an ordinary one is gpu_checks.py::test_pdl_launches_compute_what_ordinary_ones_do.
@@ -91,7 +92,10 @@ def _worker(cc: int) -> None:
             ptx = k.asm["ptx"]
             waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
             load = _FIRST_LOAD.search(ptx)
+            release = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
             print(json.dumps(dict(name=name, cc=cc, pdl=pdl, waits=len(waits), launch_pdl=bool(k.metadata.launch_pdl),
+                                  releases=len(release), release_after_wait=bool(waits and release
+                                                                                 and waits[0] < release[0]),
                                   wait_before_first_load=bool(waits and load and waits[0] < load.start()),
                                   has_load=load is not None)), flush=True)
 
@@ -111,8 +115,9 @@ def test_pdl_builds_wait_before_their_first_load(cc):
         assert r["has_load"], r
         if r["pdl"]:
             assert r["waits"] == 1 and r["wait_before_first_load"] and r["launch_pdl"], r
+            assert r["releases"] == 1 and r["release_after_wait"], r
         else:
-            assert r["waits"] == 0 and not r["launch_pdl"], r
+            assert r["waits"] == 0 and r["releases"] == 0 and not r["launch_pdl"], r
     assert any(r["pdl"] for r in rows) == (cc >= 90)
 
 
