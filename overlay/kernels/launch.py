@@ -69,9 +69,9 @@ def pdl_launch(capability, environ=None) -> bool:
     """Whether the kernels launch with programmatic dependent launch (PDL) on a GPU of `capability` ((major, minor),
     None for the interpreter): the launch may begin while the kernel before it on the stream drains, and the kernel
     waits (``griddepcontrol.wait``, its first instruction) until that one's memory is visible. sm_90 and later only
-    (sm_80-89 have no PDL), never interpreted. Read when a launch plan is made. Opt-in until measured end to end:
-    ``DSA_OVERLAY_PDL=1`` (true/on/yes) turns it on; unset or 0 (false/off/no) leaves it off; anything else is an
-    error naming the variable."""
+    (sm_80-89 have no PDL), never interpreted. Read when a launch plan is made. Opt-in (end to end it was within
+    run-to-run noise of ordinary launches: bench/RESULTS.md, stop 44): ``DSA_OVERLAY_PDL=1`` (true/on/yes) turns it
+    on; unset or 0 (false/off/no) leaves it off; anything else is an error naming the variable."""
     on = env_switch(PDL_ENV, "ordinary launches", environ, default=False)
     return on and capability is not None and tuple(capability) >= (9, 0) and not _interpreted()
 
