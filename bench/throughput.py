@@ -23,6 +23,12 @@ same --out adds to them), the table to throughput.md beside it:
 
     python3 bench/throughput.py --out $OUT [--runs upstream:bf16,triton:bf16,upstream:fp8_ds_mla,triton:fp8_ds_mla]
 
+``--rounds N``: the whole run list N times, forwards in odd rounds and backwards in even ones (a drift of the
+machine over the session falls on every path alike); the table then shows each run's median over the rounds, and a
+second table pairs each path with the vendor path of the same round (ratio per round, their median) beside the
+vendor path's own spread over the rounds: the noise floor a ratio has to clear. A later call into the same --out
+replaces the rounds of the runs it makes.
+
 ``--profile``: after the timed calls, one prefill call and one prefill + decode call again under torch.profiler
 (CPU and CUDA activity: kernels launched from CUDA graphs included); the difference of the two is, per decode step,
 each kernel's GPU time, each host op's and CUDA runtime call's self CPU time (cudaLaunchKernel: a kernel launched
@@ -256,16 +262,71 @@ def run_name(path: str, cache: str) -> str:
     return f"{path}/{cache}"
 
 
-def report(results: dict, meta: dict) -> str:
-    """Markdown: one row per cache format, upstream and Triton side by side, ratio Triton / upstream."""
+def round_order(runs: list[tuple[str, str]], rounds: int):
+    """(round, path, cache) in the order the engines run: the run list forwards in rounds 0, 2, ..., backwards in
+    rounds 1, 3, ... (no engine runs twice in a row at a round's edge)."""
+    for r in range(rounds):
+        for path, cache in (runs if r % 2 == 0 else runs[::-1]):
+            yield r, path, cache
+
+
+def _median(xs: list[float]) -> float:
+    import statistics
+
+    return statistics.median(xs)
+
+
+def over_rounds(rounds: dict) -> dict:
+    """Per run name, its rounds' median prefill and decode tok/s (failed rounds left out; a run whose every round
+    failed keeps the last failure)."""
+    out = {}
+    for name, results in rounds.items():
+        ok = [r for r in results if "error" not in r]
+        if not results:
+            continue
+        if not ok:
+            out[name] = results[-1]
+            continue
+        out[name] = {**ok[-1], **{k: _median([r[k] for r in ok]) for k in ("prefill_tok_s", "decode_tok_s")}}
+    return out
+
+
+def paired_rows(rounds: dict) -> list[str]:
+    """Markdown rows pairing each non-vendor run with the vendor run of the same cache and round: decode tok/s per
+    round, the ratio per round and its median, and the vendor path's spread over those rounds ((max - min) / median)."""
+    rows = []
+    for path in PATHS[1:]:
+        for cache in CACHES:
+            up, tr = rounds.get(run_name("upstream", cache)), rounds.get(run_name(path, cache))
+            if not up or not tr:
+                continue
+            pairs = [(a["decode_tok_s"], b["decode_tok_s"]) for a, b in zip(up, tr)
+                     if "error" not in a and "error" not in b and a.get("decode_tok_s") and b.get("decode_tok_s")]
+            if not pairs:
+                continue
+            ups = [a for a, _ in pairs]
+            ratios = [b / a for a, b in pairs]
+            spread = (max(ups) - min(ups)) / _median(ups)
+            rows.append(f"| {path} / upstream, {cache} | {' / '.join(f'{a:.0f}' for a in ups)} | "
+                        f"{' / '.join(f'{b:.0f}' for _, b in pairs)} | {' / '.join(f'{x:.3f}' for x in ratios)} | "
+                        f"{_median(ratios):.3f}x | {100 * spread:.1f}% |")
+    return rows
+
+
+def report(results: dict, meta: dict, rounds: dict | None = None) -> str:
+    """Markdown: one row per cache format, upstream and Triton side by side, ratio Triton / upstream. With `rounds`
+    (run name -> its result per round) of more than one round: medians over the rounds, and the paired table."""
+    many = bool(rounds) and max(len(v) for v in rounds.values()) > 1
+    table = {**results, **over_rounds(rounds)} if many else results
     lines = [
         "# End-to-end throughput: GLM-5-shaped model, vendor path vs Triton path", "",
         f"{meta.get('how', '')}", "",
         f"Model: GLM-5 shapes, {meta['layers']} layers, {meta['experts']} routed experts (top-8), dummy weights; "
         f"{meta['prompts']} prompts x {meta['prompt_len']} tokens, prefill chunk {meta['chunk']}, decode "
         f"{meta['decode_steps']} steps at batch {meta['prompts']}, CUDA graphs on, prefix caching off, best of "
-        f"{meta['repeats']}. upstream = FLASHMLA_SPARSE + DeepGEMM; triton = DSA_OVERLAY_PORTABLE=1; triton_pdl = "
-        "the same with DSA_OVERLAY_PDL=1 (programmatic dependent launch).", "",
+        f"{meta['repeats']}" + (", median over the rounds" if many else "") + ". upstream = FLASHMLA_SPARSE + "
+        "DeepGEMM; triton = DSA_OVERLAY_PORTABLE=1; triton_pdl = the same with DSA_OVERLAY_PDL=1 (programmatic "
+        "dependent launch).", "",
         "| cache | prefill tok/s upstream | prefill tok/s triton | ratio | decode tok/s upstream | "
         "decode tok/s triton | ratio |",
         "|---|---|---|---|---|---|---|",
@@ -284,14 +345,21 @@ def report(results: dict, meta: dict) -> str:
         return f"{b[key] / a[key]:.2f}x"
 
     for cache, path in ((c, p) for p in PATHS[1:] for c in CACHES):
-        up, tr = results.get(run_name("upstream", cache)), results.get(run_name(path, cache))
+        up, tr = table.get(run_name("upstream", cache)), table.get(run_name(path, cache))
         if tr is None and (up is None or path != "triton"):
             continue
         label = cache if path == "triton" else f"{cache} ({path})"
         lines.append(f"| {label} | {cell(up, 'prefill_tok_s')} | {cell(tr, 'prefill_tok_s')} | "
                      f"{ratio(up, tr, 'prefill_tok_s')} | {cell(up, 'decode_tok_s')} | {cell(tr, 'decode_tok_s')} | "
                      f"{ratio(up, tr, 'decode_tok_s')} |")
-    lines += ["", "Per run (wall times in s: prefill calls, prefill + decode calls):", ""]
+    if many:
+        lines += ["", "Decode paired by round (the engine order alternates between rounds; ratio = that path / "
+                      "upstream of the same round; spread = the vendor path's (max - min) / median over its rounds):",
+                  "", "| runs | upstream tok/s per round | that path tok/s per round | ratio per round | "
+                      "median ratio | upstream spread |", "|---|---|---|---|---|---|"]
+        lines += paired_rows(rounds)
+    lines += ["", "Per run (wall times in s: prefill calls, prefill + decode calls; with rounds, the last round):",
+              ""]
     for name, res in results.items():
         if "error" in res:
             lines.append(f"- {name}: {res['error']}: {res.get('log', '')[-400:]!r}")
@@ -327,6 +395,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the whole list this many times, the order alternating (paired ratios per round)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per engine process")
     ap.add_argument("--out", default=os.environ.get("OUT", "throughput_out"))
     ap.add_argument("--profile", action="store_true",
@@ -340,6 +410,8 @@ def main(argv=None) -> int:
     from bench.e2e.run import failure_line, finish_worker, start_worker
 
     runs = parse_runs(args.runs)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1 (got {args.rounds})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store = out / "throughput.json"
@@ -356,18 +428,26 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         how = f"vLLM not importable here ({type(e).__name__})"
     data["meta"] = {**meta, "how": how}
-    for path, cache in runs:
+    rounds = data.setdefault("rounds", {})
+    for name in {run_name(p, c) for p, c in runs}:
+        rounds[name] = []            # this call's rounds replace an earlier call's for the runs it makes
+    for r, path, cache in round_order(runs, args.rounds):
         spec = dict(path=path, cache=cache, model_dir=str(model_dir), **{k: meta[k] for k in (
-            "prompts", "prompt_len", "decode_steps", "chunk", "repeats")}, profile=args.profile)
+            "prompts", "prompt_len", "decode_steps", "chunk", "repeats")}, profile=args.profile and r == 0)
         t0 = time.perf_counter()
         proc = start_worker(spec, os.environ.get("PYTHONPATH", ""), cli=Path(__file__).resolve())
         res = finish_worker(proc, t0, args.timeout)
-        data["results"][run_name(path, cache)] = res
-        print(f"{run_name(path, cache)}: " + (failure_line(res) if "error" in res else
-              f"prefill {res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s ({res['wall_s']} s)"),
+        name = run_name(path, cache)
+        rounds[name].append(res)
+        if r > 0 and "decode_profile" in data["results"].get(name, {}):
+            res = {**res, "decode_profile": data["results"][name]["decode_profile"]}   # round 0's profile stays
+        data["results"][name] = res
+        print(f"{name}" + (f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else "") + ": "
+              + (failure_line(res) if "error" in res else
+                 f"prefill {res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s ({res['wall_s']} s)"),
               flush=True)
         store.write_text(json.dumps(data, indent=1))
-        (out / "throughput.md").write_text(report(data["results"], data["meta"]))
+        (out / "throughput.md").write_text(report(data["results"], data["meta"], rounds))
     return 0 if all("error" not in r for r in data["results"].values()) else 1
 
 

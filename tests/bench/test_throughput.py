@@ -168,16 +168,57 @@ def test_a_worker_without_vllm_is_a_failed_row(tmp_path):
     """The real worker protocol: a process per run, its traceback kept, the results written after each run."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "throughput.py"), "--runs", "triton:bf16",
-                           "--out", str(tmp_path), "--timeout", "120"], capture_output=True, text=True,
+                           "--out", str(tmp_path), "--timeout", "120", "--rounds", "2"], capture_output=True, text=True,
                           env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "triton/bf16 (round 2 of 2): " in proc.stdout
     data = json.loads((tmp_path / "throughput.json").read_text())
     res = data["results"]["triton/bf16"]
     assert res["error"] == "exit 1" and "No module named 'vllm'" in res["log"]
+    assert [r["error"] for r in data["rounds"]["triton/bf16"]] == ["exit 1", "exit 1"]
     assert "| bf16 | - | failed | - | - | failed | - |" in (tmp_path / "throughput.md").read_text()
     # a second call with another setup into the same --out is refused, nothing overwritten
     again = subprocess.run([sys.executable, str(REPO / "bench" / "throughput.py"), "--runs", "triton:bf16",
                             "--out", str(tmp_path), "--layers", "4"], capture_output=True, text=True, env=env,
                            timeout=300, cwd=tmp_path)
     assert again.returncode != 0 and "another setup" in again.stderr
+    none = subprocess.run([sys.executable, str(REPO / "bench" / "throughput.py"), "--runs", "triton:bf16",
+                           "--out", str(tmp_path), "--rounds", "0"], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=tmp_path)
+    assert none.returncode != 0 and "--rounds must be >= 1" in none.stderr
     assert json.loads((tmp_path / "throughput.json").read_text()) == data
+
+
+def test_rounds_alternate_the_engine_order():
+    runs = [("upstream", "fp8_ds_mla"), ("triton", "fp8_ds_mla"), ("triton_pdl", "fp8_ds_mla")]
+    order = [(r, p) for r, p, _ in throughput.round_order(runs, 3)]
+    assert order == [(0, "upstream"), (0, "triton"), (0, "triton_pdl"),
+                     (1, "triton_pdl"), (1, "triton"), (1, "upstream"),
+                     (2, "upstream"), (2, "triton"), (2, "triton_pdl")]
+    assert list(throughput.round_order(runs, 1)) == [(0, p, c) for p, c in runs]
+
+
+def test_report_over_rounds_takes_medians_and_pairs_each_round():
+    """Three rounds: the table shows each run's median; the paired table divides each round by the vendor run of the
+    same round (a failed round drops out of the pairs, not the others) and gives the vendor path's own spread."""
+    ok = lambda p, d: dict(prefill_tok_s=p, decode_tok_s=d, prefill_s=[1.0], generate_s=[2.0],  # noqa: E731
+                           vendor_calls={}, startup_s=50.0, wall_s=80.0)
+    meta = dict(layers=8, experts=16, prompts=32, prompt_len=4096, decode_steps=128, chunk=8192, repeats=2,
+                how="vLLM 0.26.0")
+    rounds = {"upstream/fp8_ds_mla": [ok(50000.0, 6400.0), ok(51000.0, 6200.0), ok(52000.0, 6300.0)],
+              "triton/fp8_ds_mla": [ok(50500.0, 6336.0), {"error": "exit 1", "log": "x"}, ok(51500.0, 6363.0)],
+              "triton_pdl/fp8_ds_mla": [ok(49000.0, 6528.0), ok(50000.0, 6014.0), ok(51000.0, 6300.0)]}
+    last = {k: v[-1] for k, v in rounds.items()}
+    md = throughput.report(last, meta, rounds)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in md.splitlines() if line.startswith("| fp8_ds_mla")}
+    assert rows["fp8_ds_mla"] == ["51000", "51000", "1.00x", "6300", "6350", "1.01x"]
+    assert rows["fp8_ds_mla (triton_pdl)"] == ["51000", "50000", "0.98x", "6300", "6300", "1.00x"]
+    paired = [line for line in md.splitlines() if " / upstream, " in line]
+    assert paired == ["| triton / upstream, fp8_ds_mla | 6400 / 6300 | 6336 / 6363 | 0.990 / 1.010 | 1.000x | 1.6% |",
+                      "| triton_pdl / upstream, fp8_ds_mla | 6400 / 6200 / 6300 | 6528 / 6014 / 6300 | "
+                      "1.020 / 0.970 / 1.000 | 1.000x | 3.2% |"]
+    assert "median over the rounds" in md
+    # one round: the plain table, no paired one
+    one = throughput.report(last, meta, {k: v[-1:] for k, v in rounds.items()})
+    assert "paired by round" not in one and "median over the rounds" not in one
