@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""The attention kernel's main loop, instruction by instruction, as a GPU family's build emits it: no GPU needed.
+
+Cross-compiles the sparse-MLA forward kernel's heuristic pick (`sparse_mla.choose_config`, the Triton tile: the sm_90
+Gluon tiles are left out) for each --cc, cache format, head count and token count, disassembles the cubin with the
+nvdisasm Triton ships, finds the main loop (the longest backward branch) and counts its instructions per KV row: the
+loop body times the warps of a program over the rows one iteration gathers (block_n), times the programs that share a
+row (head groups x value halves). Classes: HMMA (tensor core, mma.sync), conversion (F2FP / F2F / I2F / F2I / PRMT:
+the e4m3 decode and the bf16 packing), shared memory (LDS / LDSM / STS / LDGSTS), everything else.
+
+What it is for: a kernel whose time does not scale like its math is often issue-bound on the instructions around the
+MMAs. On the mma.sync build the fp8_ds_mla cache's decode (e4m3 -> bf16, per-tile scales) costs the same per KV row at
+any head count while the MMA work grows with the heads; the table shows how much of each loop that is (bench/RESULTS.md,
+stop 44). A static count, not a time: it says what each row costs to issue, not how well it overlaps with memory.
+
+    python3 bench/sass_mix.py --cc 89,80 --heads 16,64 --tokens 128 [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "tests" / "kernels"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+HMMA = ("HMMA",)
+CONVERSION = ("F2FP", "F2F", "I2F", "F2I", "PRMT", "I2FP", "F2IP")
+SHARED = ("LDS", "LDSM", "STS", "LDGSTS")
+
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)\S*\s*([^;]*);")
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Opcode counts of the longest loop in nvdisasm -c output: from a label to the last branch back to it."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = _LABEL.match(line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = _INSN.search(line)
+        if m:
+            ins.append((m.group(2), m.group(3)))
+    best = None
+    for i, (op, args) in enumerate(ins):
+        t = re.search(r"\b(L_x_\d+)\b", args) if op == "BRA" else None
+        if t and labels.get(t.group(1), i + 1) <= i:
+            span = (labels[t.group(1)], i)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    if best is None:
+        raise ValueError("no loop in this SASS (no branch back to an earlier label)")
+    return collections.Counter(op for op, _ in ins[best[0]:best[1] + 1])
+
+
+def classify(ops: collections.Counter) -> dict:
+    """{hmma, conversion, shared, other, total} of a loop's opcode counts."""
+    hmma = sum(ops[o] for o in HMMA)
+    conv = sum(ops[o] for o in CONVERSION)
+    shared = sum(ops[o] for o in SHARED)
+    total = sum(ops.values())
+    return dict(hmma=hmma, conversion=conv, shared=shared, other=total - hmma - conv - shared, total=total)
+
+
+def min_hmma_per_row(block_h: int, dv_split: int) -> float:
+    """The fewest m16n8k16 MMAs per KV row one program can issue for its block_h heads: scores (576 columns) plus
+    its share of P.V (512 / dv_split columns)."""
+    return (block_h / 16) * (576 / 16 / 8 + (512 // dv_split) / 8 / 16)
+
+
+def _nvdisasm() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+
+
+def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048) -> dict:
+    """Cross-compile the pick for (tokens, heads, fmt) on sm_<cc> and count its main loop per KV row."""
+    import triton
+    from _sparse_mla_args import DIVISIBLE, FLOATS, fwd_pointer_types
+    from _xcompile import signature
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from overlay.kernels import sparse_mla as M
+
+    cfg = M.choose_config(tokens, heads, topk, fmt, capability=(cc // 10, cc % 10), gluon=False)
+    split = cfg.num_splits > 1
+    consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=cc >= 89, SPLIT=split, DOT_F32=False,
+                  BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
+                  FP8_POST=bool(cfg.fp8_post_scale) and fmt == "fp8_ds_mla", PAGED=False)
+    sig = signature(M._sparse_mla_fwd_kernel, fwd_pointer_types(fmt, split), FLOATS)
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in sig}
+    k = triton.compile(ASTSource(fn=M._sparse_mla_fwd_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", cc, 32),
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        res = subprocess.run([_nvdisasm(), "-c", path], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed on the sm_{cc} cubin: {res.stderr.strip()[:300]}")
+    counts = classify(main_loop(res.stdout))
+    programs = -(-heads // cfg.block_h) * cfg.dv_split     # programs that read the same KV row
+    per_row = {key: v * cfg.num_warps / cfg.block_n * programs for key, v in counts.items()}
+    return dict(cc=cc, fmt=fmt, tokens=tokens, heads=heads, tile=str(cfg), warps=cfg.num_warps, programs=programs,
+                loop=counts, per_row=per_row,
+                min_hmma_per_row=min_hmma_per_row(cfg.block_h, cfg.dv_split) * programs)
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["| sm | heads x tokens | cache | tile (pick) | warp instructions per KV row | HMMA (fewest possible) | "
+             "conversion | shared memory | other | fp8 / bf16 (all) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["cc"], r["heads"], r["tokens"], r["fmt"]): r for r in rows}
+    for r in rows:
+        bf = by.get((r["cc"], r["heads"], r["tokens"], "bf16"))
+        ratio = f"{r['per_row']['total'] / bf['per_row']['total']:.2f}x" if bf and r["fmt"] != "bf16" else ""
+        p = r["per_row"]
+        lines.append(f"| {r['cc']} | {r['heads']} x {r['tokens']} | {r['fmt']} | {r['tile']} | {p['total']:.0f} | "
+                     f"{p['hmma']:.1f} ({r['min_hmma_per_row']:.1f}) | {p['conversion']:.1f} | {p['shared']:.1f} | {p['other']:.1f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cc", default="89,80", help="compute capabilities, e.g. 80,86,89,120 (default: %(default)s)")
+    ap.add_argument("--heads", default="16,64")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--formats", default="bf16,fp8_ds_mla")
+    ap.add_argument("--out", default=None, help="markdown file (default: stdout); a .json beside it")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("sass_mix.py compiles for real targets: run it without TRITON_INTERPRET")
+    rows = []
+    for cc in (int(c) for c in args.cc.split(",")):
+        for heads in (int(h) for h in args.heads.split(",")):
+            for fmt in args.formats.split(","):
+                rows.append(loop_of(cc, fmt, args.tokens, heads))
+                print(f"sm_{cc} {heads} heads x {args.tokens} {fmt}: {rows[-1]['tile']}, "
+                      f"{rows[-1]['per_row']['total']:.0f} warp instructions per KV row", file=sys.stderr, flush=True)
+    text = report(rows)
+    if args.out:
+        Path(args.out).write_text(text)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""bench/sass_mix.py: the main-loop finder on hand-written SASS, and one real cross-compile (sm_89, 16 heads) in a
+fresh process without TRITON_INTERPRET (the suite's pytest interprets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import sass_mix  # noqa: E402
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+.L_x_0:
+        /*0020*/                   LDS R2, [R3] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0040*/               @P0 BRA `(.L_x_0) ;
+        /*0050*/                   F2FP.BF16.F32.PACK_AB R2, R3, R4 ;
+.L_x_1:
+        /*0060*/                   F2FP.BF16.F32.PACK_AB R2, R3, R4 ;
+        /*0070*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0080*/                   PRMT R5, R6, 0x7604, R7 ;
+        /*0090*/                   STS [R1], R2 ;
+        /*00a0*/              @!P1 BRA `(.L_x_1) ;
+        /*00b0*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*00c0*/                   EXIT ;
+"""
+
+
+def test_main_loop_is_the_longest_backward_branch():
+    ops = sass_mix.main_loop(SASS)
+    assert ops == {"F2FP": 1, "HMMA": 1, "PRMT": 1, "STS": 1, "BRA": 1}
+    assert sass_mix.classify(ops) == dict(hmma=1, conversion=2, shared=1, other=1, total=5)
+    with pytest.raises(ValueError, match="no loop"):
+        sass_mix.main_loop(SASS.replace("`(.L_x_0)", "`(.L_x_2)").replace("`(.L_x_1)", "`(.L_x_2)"))
+
+
+def test_fewest_mmas_per_row():
+    # 16 heads: 36 k-steps of the 576-wide scores over 8 rows per MMA, 64 column tiles of P.V over 16 rows per MMA
+    assert sass_mix.min_hmma_per_row(16, 1) == pytest.approx(36 / 8 + 64 / 16)
+    assert sass_mix.min_hmma_per_row(64, 2) == pytest.approx(4 * (36 / 8 + 32 / 16))
+
+
+def test_a_real_sm89_loop_has_its_mmas_and_the_fp8_decode(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "mix.md"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "sass_mix.py"), "--cc", "89", "--heads", "16",
+                          "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["fmt"]: r for r in json.loads(out.with_suffix(".json").read_text())}
+    for r in rows.values():
+        assert r["per_row"]["hmma"] >= r["min_hmma_per_row"] - 1e-9, r   # the loop found holds the MMAs
+        assert r["loop"]["total"] == sum(r["loop"][k] for k in ("hmma", "conversion", "shared", "other"))
+    # the e4m3 decode is conversion work per KV row that the bf16 loop does not have
+    assert rows["fp8_ds_mla"]["per_row"]["conversion"] > 4 * max(rows["bf16"]["per_row"]["conversion"], 1.0)
+    assert "| 89 | 16 x 128 | fp8_ds_mla |" in out.read_text()
