@@ -137,10 +137,22 @@ def focus_configs(fmt, T, H, topk, sm_count, heuristic, prefill):
 # than each pick (bench/RESULTS.md, stop 28).
 MMA_SYNC_CAPABILITIES = ((8, 0), (8, 9))
 
+# Tiles no mma.sync table picks, timed beside the picks where bench/sass_mix.py (stop 44, a cross-compile for sm_89)
+# found a pick issuing far more instructions per KV row than its math needs: the 64-head bf16 pick h64n16w8 repeats
+# MMAs (88 per row where 34 suffice; 449 warp instructions per row against h32n32w4's 231, which fits the sm_86/89/120
+# budget at 76 KB without spills, and h64n32w8's 252, which needs sm_80's 163 KB), and the 16-head fp8_ds_mla pick's 8
+# warps (219 per row against 162 at 4 warps). Fewer instructions with fewer warps per SM: only a time decides. Keyed by
+# (cache format, heads); the tag names the family whose shared memory the tile fits.
+MMA_SYNC_LEADS = {
+    ("bf16", 64): (("sm8x lead", "h32n32s1w4p2"), ("sm80 lead", "h64n32s1w8p2")),
+    ("fp8_ds_mla", 16): (("sm8x lead", "h16n32s1w4p2"),),
+}
+
 
 def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLAConfig"]]:
     """(tag, config): each mma.sync family's pick ("sm80 pick", "sm89 pick"), and for fp8_ds_mla its twin
-    with the other fp8_post_scale ("sm80 alt"); a config two families share is timed once (the first tag)."""
+    with the other fp8_post_scale ("sm80 alt"); then MMA_SYNC_LEADS for this format and head count, split like the
+    last family's pick ("sm8x lead"); a config timed under one tag is not timed again under another."""
     out, seen = [], set()
     for cap in MMA_SYNC_CAPABILITIES:
         c = SM.choose_config(T, H, topk, fmt, sm_count=sm_count, capability=cap)
@@ -148,6 +160,9 @@ def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLA
         pairs = [(f"{fam} pick", c)]
         if fmt == "fp8_ds_mla":
             pairs.append((f"{fam} alt", replace(c, fp8_post_scale=not c.fp8_post_scale)))
+        if cap == MMA_SYNC_CAPABILITIES[-1]:
+            pairs += [(tag, replace(SM.SparseMLAConfig.from_string(tile), num_splits=c.num_splits))
+                      for tag, tile in MMA_SYNC_LEADS.get((fmt, H), ())]
         for tag, cfg in pairs:
             if cfg not in seen:
                 seen.add(cfg)

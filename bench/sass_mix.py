@@ -6,7 +6,8 @@ Gluon tiles are left out) for each --cc, cache format, head count and token coun
 nvdisasm Triton ships, finds the main loop (the longest backward branch) and counts its instructions per KV row: the
 loop body times the warps of a program over the rows one iteration gathers (block_n), times the programs that share a
 row (head groups x value halves). Classes: HMMA (tensor core, mma.sync), conversion (F2FP / F2F / I2F / F2I / PRMT:
-the e4m3 decode and the bf16 packing), shared memory (LDS / LDSM / STS / LDGSTS), everything else.
+the e4m3 decode and the bf16 packing), shared memory (LDS / LDSM / STS / LDGSTS), local memory (LDL / STL: register
+spills), everything else.
 
 What it is for: a kernel whose time does not scale like its math is often issue-bound on the instructions around the
 MMAs. On the mma.sync build the fp8_ds_mla cache's decode (e4m3 -> bf16, per-tile scales) costs the same per KV row at
@@ -36,6 +37,7 @@ for p in (REPO, REPO / "tests" / "kernels"):
 HMMA = ("HMMA",)
 CONVERSION = ("F2FP", "F2F", "I2F", "F2I", "PRMT", "I2FP", "F2IP")
 SHARED = ("LDS", "LDSM", "STS", "LDGSTS")
+LOCAL = ("LDL", "STL")   # register spills
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)\S*\s*([^;]*);")
 _LABEL = re.compile(r"^\s*\.(L_x_\d+):")
@@ -65,12 +67,14 @@ def main_loop(sass: str) -> collections.Counter:
 
 
 def classify(ops: collections.Counter) -> dict:
-    """{hmma, conversion, shared, other, total} of a loop's opcode counts."""
+    """{hmma, conversion, shared, spills, other, total} of a loop's opcode counts."""
     hmma = sum(ops[o] for o in HMMA)
     conv = sum(ops[o] for o in CONVERSION)
     shared = sum(ops[o] for o in SHARED)
+    spills = sum(ops[o] for o in LOCAL)
     total = sum(ops.values())
-    return dict(hmma=hmma, conversion=conv, shared=shared, other=total - hmma - conv - shared, total=total)
+    return dict(hmma=hmma, conversion=conv, shared=shared, spills=spills, other=total - hmma - conv - shared - spills,
+                total=total)
 
 
 def min_hmma_per_row(block_h: int, dv_split: int) -> float:
@@ -123,14 +127,14 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048) -> dic
 
 def report(rows: list[dict]) -> str:
     lines = ["| sm | heads x tokens | cache | tile (pick) | warp instructions per KV row | HMMA (fewest possible) | "
-             "conversion | shared memory | other | fp8 / bf16 (all) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "conversion | shared memory | spills | other | fp8 / bf16 (all) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["cc"], r["heads"], r["tokens"], r["fmt"]): r for r in rows}
     for r in rows:
         bf = by.get((r["cc"], r["heads"], r["tokens"], "bf16"))
         ratio = f"{r['per_row']['total'] / bf['per_row']['total']:.2f}x" if bf and r["fmt"] != "bf16" else ""
         p = r["per_row"]
         lines.append(f"| {r['cc']} | {r['heads']} x {r['tokens']} | {r['fmt']} | {r['tile']} | {p['total']:.0f} | "
-                     f"{p['hmma']:.1f} ({r['min_hmma_per_row']:.1f}) | {p['conversion']:.1f} | {p['shared']:.1f} | {p['other']:.1f} | {ratio} |")
+                     f"{p['hmma']:.1f} ({r['min_hmma_per_row']:.1f}) | {p['conversion']:.1f} | {p['shared']:.1f} | {p['spills']:.1f} | {p['other']:.1f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,22 @@ def test_mma_sync_tiles_are_each_familys_own_pick_and_the_fp8_twin():
     assert all(not c.fp8_post_scale for t, c in B.mma_tile_configs("bf16", 128, 64, 2048, 132))
 
 
+def test_mma_sync_leads_are_timed_beside_the_picks_where_listed():
+    from overlay.kernels import sparse_mla as SM
+
+    bf = dict((str(c), t) for t, c in B.mma_tile_configs("bf16", 128, 64, 2048, 132))
+    assert bf["h32n32s1w4p2"] == "sm8x lead" and bf["h64n32s1w8p2"] == "sm80 lead"
+    assert [t for t in bf.values() if t.endswith("pick")]                     # the picks stay
+    fp8 = {str(c): t for t, c in B.mma_tile_configs("fp8_ds_mla", 128, 16, 2048, 132)}
+    assert fp8.get("h16n32s1w4p2") == "sm8x lead"
+    # a lead takes its split count from the pick: at T=1 the tile splits the top-k like the family's pick
+    pick = SM.choose_config(1, 16, 2048, "fp8_ds_mla", sm_count=132, capability=B.MMA_SYNC_CAPABILITIES[-1])
+    lead = [c for t, c in B.mma_tile_configs("fp8_ds_mla", 1, 16, 2048, 132) if t == "sm8x lead"]
+    assert lead and lead[0].num_splits == pick.num_splits > 1 and lead[0].num_warps == 4
+    # no leads where none are listed
+    assert not [t for t, c in B.mma_tile_configs("bf16", 128, 16, 2048, 132) if t.endswith("lead")]
+
+
 def test_mma_sync_rows_divide_fp8_by_the_same_familys_bf16_pick():
     mma = {"bf16 T=128 H=64": 224.0,                                  # sm_90's pick: not a per-tile row
            "bf16 T=128 H=64 | sm80 pick | h64n16s1w8p2": 300.0,

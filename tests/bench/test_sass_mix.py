@@ -29,6 +29,7 @@ SASS = """
         /*0070*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
         /*0080*/                   PRMT R5, R6, 0x7604, R7 ;
         /*0090*/                   STS [R1], R2 ;
+        /*0098*/                   STL [R1+0x10], R2 ;
         /*00a0*/              @!P1 BRA `(.L_x_1) ;
         /*00b0*/                   BRA `(.L_x_2) ;
 .L_x_2:
@@ -38,8 +39,8 @@ SASS = """
 
 def test_main_loop_is_the_longest_backward_branch():
     ops = sass_mix.main_loop(SASS)
-    assert ops == {"F2FP": 1, "HMMA": 1, "PRMT": 1, "STS": 1, "BRA": 1}
-    assert sass_mix.classify(ops) == dict(hmma=1, conversion=2, shared=1, other=1, total=5)
+    assert ops == {"F2FP": 1, "HMMA": 1, "PRMT": 1, "STS": 1, "STL": 1, "BRA": 1}
+    assert sass_mix.classify(ops) == dict(hmma=1, conversion=2, shared=1, spills=1, other=1, total=6)
     with pytest.raises(ValueError, match="no loop"):
         sass_mix.main_loop(SASS.replace("`(.L_x_0)", "`(.L_x_2)").replace("`(.L_x_1)", "`(.L_x_2)"))
 
@@ -59,7 +60,7 @@ def test_a_real_sm89_loop_has_its_mmas_and_the_fp8_decode(tmp_path):
     rows = {r["fmt"]: r for r in json.loads(out.with_suffix(".json").read_text())}
     for r in rows.values():
         assert r["per_row"]["hmma"] >= r["min_hmma_per_row"] - 1e-9, r   # the loop found holds the MMAs
-        assert r["loop"]["total"] == sum(r["loop"][k] for k in ("hmma", "conversion", "shared", "other"))
+        assert r["loop"]["total"] == sum(r["loop"][k] for k in ("hmma", "conversion", "shared", "spills", "other"))
     # the e4m3 decode is conversion work per KV row that the bf16 loop does not have
     assert rows["fp8_ds_mla"]["per_row"]["conversion"] > 4 * max(rows["bf16"]["per_row"]["conversion"], 1.0)
     assert "| 89 | 16 x 128 | fp8_ds_mla |" in out.read_text()
