@@ -3,11 +3,11 @@
 
 Cross-compiles the sparse-MLA forward kernel's heuristic pick (`sparse_mla.choose_config`, the Triton tile: the sm_90
 Gluon tiles are left out) for each --cc, cache format, head count and token count, disassembles the cubin with the
-nvdisasm Triton ships, finds the main loop (the longest backward branch) and counts its instructions per KV row: the
-loop body times the warps of a program over the rows one iteration gathers (block_n), times the programs that share a
-row (head groups x value halves). Classes: HMMA (tensor core, mma.sync), conversion (F2FP / F2F / I2F / F2I / PRMT:
-the e4m3 decode and the bf16 packing), shared memory (LDS / LDSM / STS / LDGSTS), local memory (LDL / STL: register
-spills), everything else.
+nvdisasm Triton ships (`triton.knobs.nvidia.nvdisasm`), finds the main loop (the longest backward branch) and counts
+its instructions per KV row: the loop body times the warps of a program over the rows one iteration gathers (block_n),
+times the programs that share a row (head groups x value halves). Classes: HMMA (tensor core, mma.sync), conversion
+(F2FP / F2F / I2F / F2I / PRMT: the e4m3 decode and the bf16 packing), shared memory (LDS / LDSM / STS / LDGSTS),
+local memory (LDL / STL: register spills), everything else.
 
 What it is for: a kernel whose time does not scale like its math is often issue-bound on the instructions around the
 MMAs. On the mma.sync build the fp8_ds_mla cache's decode (e4m3 -> bf16, per-tile scales) costs the same per KV row at
@@ -83,19 +83,11 @@ def min_hmma_per_row(block_h: int, dv_split: int) -> float:
     return (block_h / 16) * (576 / 16 / 8 + (512 // dv_split) / 8 / 16)
 
 
-def _nvdisasm() -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-
-
 def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048) -> dict:
     """Cross-compile the pick for (tokens, heads, fmt) on sm_<cc> and count its main loop per KV row."""
-    import triton
+    import triton.knobs
     from _sparse_mla_args import DIVISIBLE, FLOATS, fwd_pointer_types
-    from _xcompile import signature
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from _xcompile import cross_compile, signature
 
     from overlay.kernels import sparse_mla as M
 
@@ -105,16 +97,13 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048) -> dic
                   BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
                   FP8_POST=bool(cfg.fp8_post_scale) and fmt == "fp8_ds_mla", PAGED=False)
     sig = signature(M._sparse_mla_fwd_kernel, fwd_pointer_types(fmt, split), FLOATS)
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in sig}
-    k = triton.compile(ASTSource(fn=M._sparse_mla_fwd_kernel, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", cc, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    c = cross_compile(M._sparse_mla_fwd_kernel, sig, consts, cc, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      divisible_by_16=DIVISIBLE)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        res = subprocess.run([_nvdisasm(), "-c", path], capture_output=True, text=True)
+            f.write(c.cubin)
+        res = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"nvdisasm failed on the sm_{cc} cubin: {res.stderr.strip()[:300]}")
     counts = classify(main_loop(res.stdout))
@@ -127,14 +116,15 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048) -> dic
 
 def report(rows: list[dict]) -> str:
     lines = ["| sm | heads x tokens | cache | tile (pick) | warp instructions per KV row | HMMA (fewest possible) | "
-             "conversion | shared memory | spills | other | fp8 / bf16 (all) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "conversion | shared memory | spills | other | fp8 / bf16 (all) |", "|" + "---|" * 11]
     by = {(r["cc"], r["heads"], r["tokens"], r["fmt"]): r for r in rows}
     for r in rows:
         bf = by.get((r["cc"], r["heads"], r["tokens"], "bf16"))
         ratio = f"{r['per_row']['total'] / bf['per_row']['total']:.2f}x" if bf and r["fmt"] != "bf16" else ""
         p = r["per_row"]
         lines.append(f"| {r['cc']} | {r['heads']} x {r['tokens']} | {r['fmt']} | {r['tile']} | {p['total']:.0f} | "
-                     f"{p['hmma']:.1f} ({r['min_hmma_per_row']:.1f}) | {p['conversion']:.1f} | {p['shared']:.1f} | {p['spills']:.1f} | {p['other']:.1f} | {ratio} |")
+                     f"{p['hmma']:.1f} ({r['min_hmma_per_row']:.1f}) | {p['conversion']:.1f} | {p['shared']:.1f} | "
+                     f"{p['spills']:.1f} | {p['other']:.1f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -270,24 +271,18 @@ def round_order(runs: list[tuple[str, str]], rounds: int):
             yield r, path, cache
 
 
-def _median(xs: list[float]) -> float:
-    import statistics
-
-    return statistics.median(xs)
-
-
 def over_rounds(rounds: dict) -> dict:
     """Per run name, its rounds' median prefill and decode tok/s (failed rounds left out; a run whose every round
     failed keeps the last failure)."""
     out = {}
     for name, results in rounds.items():
-        ok = [r for r in results if "error" not in r]
         if not results:
             continue
+        ok = [r for r in results if "error" not in r]
         if not ok:
             out[name] = results[-1]
             continue
-        out[name] = {**ok[-1], **{k: _median([r[k] for r in ok]) for k in ("prefill_tok_s", "decode_tok_s")}}
+        out[name] = {**ok[-1], **{k: statistics.median([r[k] for r in ok]) for k in ("prefill_tok_s", "decode_tok_s")}}
     return out
 
 
@@ -306,10 +301,10 @@ def paired_rows(rounds: dict) -> list[str]:
                 continue
             ups = [a for a, _ in pairs]
             ratios = [b / a for a, b in pairs]
-            spread = (max(ups) - min(ups)) / _median(ups)
+            spread = (max(ups) - min(ups)) / statistics.median(ups)
             rows.append(f"| {path} / upstream, {cache} | {' / '.join(f'{a:.0f}' for a in ups)} | "
                         f"{' / '.join(f'{b:.0f}' for _, b in pairs)} | {' / '.join(f'{x:.3f}' for x in ratios)} | "
-                        f"{_median(ratios):.3f}x | {100 * spread:.1f}% |")
+                        f"{statistics.median(ratios):.3f}x | {100 * spread:.1f}% |")
     return rows
 
 

@@ -60,6 +60,7 @@ class Compiled:
     traps: int = 0       # `trap;` instructions in the PTX: Triton lowers a construct it cannot compile for
     wgmma: dict = None   # {"m64n32k16": count, ...}: warpgroup MMA instructions in the PTX, by shape
                          # the target to a lone trap (the kernel then compiles, fits, never spills, and dies)
+    cubin: bytes = b""   # the cubin Triton built (bench/sass_mix.py disassembles it)
 
     @property
     def spills(self) -> int:
@@ -125,7 +126,7 @@ def cross_compile(fn, signature: dict, constexprs: dict, cc: int, *, num_warps: 
     if not (regs and st and ld):
         raise RuntimeError(f"could not parse ptxas -v output:\n{log}")
     return Compiled(cc, int(kernel.metadata.shared), int(regs.group(1)), int(st.group(1)),
-                    int(ld.group(1)), tool, log, count_traps(ptx), count_wgmma(ptx))
+                    int(ld.group(1)), tool, log, count_traps(ptx), count_wgmma(ptx), kernel.asm["cubin"])
 
 
 def count_wgmma(ptx: str) -> dict:
