@@ -15,6 +15,7 @@ any head count while the MMA work grows with the heads; the table shows how much
 stop 44). A static count, not a time: it says what each row costs to issue, not how well it overlaps with memory.
 
     python3 bench/sass_mix.py --cc 89,80 --heads 16,64 --tokens 128 [--out FILE]
+    python3 bench/sass_mix.py --cc 89 --heads 16 --formats fp8_ds_mla --tiles h16n32s1w4p2,h16n32s1w4p2f  # + tiles
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def min_hmma_per_row(block_h: int, dv_split: int) -> float:
     return (block_h / 16) * (576 / 16 / 8 + (512 // dv_split) / 8 / 16)
 
 
-def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048) -> dict:
-    """Cross-compile the pick for (tokens, heads, fmt) on sm_<cc> and count its main loop per KV row."""
+def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048, tile: str | None = None) -> dict:
+    """Cross-compile the pick for (tokens, heads, fmt) on sm_<cc> (or `tile`, a config string such as
+    'h16n32s1w4p2f') and count its main loop per KV row."""
     import triton.knobs
     from _sparse_mla_args import DIVISIBLE, FLOATS, fwd_pointer_types
     from _xcompile import cross_compile, signature
@@ -92,6 +94,10 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048) -> dic
     from overlay.kernels import sparse_mla as M
 
     cfg = M.choose_config(tokens, heads, topk, fmt, capability=(cc // 10, cc % 10), gluon=False)
+    if tile is not None:
+        cfg = M.SparseMLAConfig.from_string(tile)
+        if cfg.gluon:
+            raise SystemExit(f"sass_mix.py: {tile} is a Gluon tile (sm_90 only); give a Triton tile")
     split = cfg.num_splits > 1
     consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=cc >= 89, SPLIT=split, DOT_F32=False,
                   BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
@@ -109,20 +115,20 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048) -> dic
     counts = classify(main_loop(res.stdout))
     programs = -(-heads // cfg.block_h) * cfg.dv_split     # programs that read the same KV row
     per_row = {key: v * cfg.num_warps / cfg.block_n * programs for key, v in counts.items()}
-    return dict(cc=cc, fmt=fmt, tokens=tokens, heads=heads, tile=str(cfg), warps=cfg.num_warps, programs=programs,
+    return dict(cc=cc, fmt=fmt, tokens=tokens, heads=heads, tile=str(cfg), pick=tile is None, warps=cfg.num_warps, programs=programs,
                 loop=counts, per_row=per_row,
                 min_hmma_per_row=min_hmma_per_row(cfg.block_h, cfg.dv_split) * programs)
 
 
 def report(rows: list[dict]) -> str:
-    lines = ["| sm | heads x tokens | cache | tile (pick) | warp instructions per KV row | HMMA (fewest possible) | "
+    lines = ["| sm | heads x tokens | cache | tile | warp instructions per KV row | HMMA (fewest possible) | "
              "conversion | shared memory | spills | other | fp8 / bf16 (all) |", "|" + "---|" * 11]
-    by = {(r["cc"], r["heads"], r["tokens"], r["fmt"]): r for r in rows}
+    by = {(r["cc"], r["heads"], r["tokens"], r["fmt"]): r for r in rows if r.get("pick", True)}
     for r in rows:
         bf = by.get((r["cc"], r["heads"], r["tokens"], "bf16"))
         ratio = f"{r['per_row']['total'] / bf['per_row']['total']:.2f}x" if bf and r["fmt"] != "bf16" else ""
-        p = r["per_row"]
-        lines.append(f"| {r['cc']} | {r['heads']} x {r['tokens']} | {r['fmt']} | {r['tile']} | {p['total']:.0f} | "
+        p, tag = r["per_row"], " (pick)" if r.get("pick", True) else ""
+        lines.append(f"| {r['cc']} | {r['heads']} x {r['tokens']} | {r['fmt']} | {r['tile']}{tag} | {p['total']:.0f} | "
                      f"{p['hmma']:.1f} ({r['min_hmma_per_row']:.1f}) | {p['conversion']:.1f} | {p['shared']:.1f} | "
                      f"{p['spills']:.1f} | {p['other']:.1f} | {ratio} |")
     return "\n".join(lines) + "\n"
@@ -134,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="16,64")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--formats", default="bf16,fp8_ds_mla")
+    ap.add_argument("--tiles", default=None,
+                    help="comma-separated config strings (e.g. h16n32s1w4p2f) to count besides each pick")
     ap.add_argument("--out", default=None, help="markdown file (default: stdout); a .json beside it")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -142,9 +150,11 @@ def main(argv=None) -> int:
     for cc in (int(c) for c in args.cc.split(",")):
         for heads in (int(h) for h in args.heads.split(",")):
             for fmt in args.formats.split(","):
-                rows.append(loop_of(cc, fmt, args.tokens, heads))
-                print(f"sm_{cc} {heads} heads x {args.tokens} {fmt}: {rows[-1]['tile']}, "
-                      f"{rows[-1]['per_row']['total']:.0f} warp instructions per KV row", file=sys.stderr, flush=True)
+                for tile in [None] + (args.tiles.split(",") if args.tiles else []):
+                    rows.append(loop_of(cc, fmt, args.tokens, heads, tile=tile))
+                    print(f"sm_{cc} {heads} heads x {args.tokens} {fmt}: {rows[-1]['tile']}"
+                          f"{'' if tile else ' (pick)'}, {rows[-1]['per_row']['total']:.0f} warp instructions per KV row",
+                          file=sys.stderr, flush=True)
     text = report(rows)
     if args.out:
         Path(args.out).write_text(text)

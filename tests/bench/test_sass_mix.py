@@ -55,9 +55,18 @@ def test_a_real_sm89_loop_has_its_mmas_and_the_fp8_decode(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "mix.md"
     res = subprocess.run([sys.executable, str(REPO / "bench" / "sass_mix.py"), "--cc", "89", "--heads", "16",
-                          "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+                          "--tiles", "h16n32s1w4p2f", "--out", str(out)],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = {r["fmt"]: r for r in json.loads(out.with_suffix(".json").read_text())}
+    every = json.loads(out.with_suffix(".json").read_text())
+    # each format's pick, then the tile asked for: counted as itself, its ratio against the bf16 pick
+    assert [(r["fmt"], r["pick"]) for r in every] == [("bf16", True), ("bf16", False), ("fp8_ds_mla", True),
+                                                      ("fp8_ds_mla", False)]
+    assert [r["tile"] for r in every if not r["pick"]] == ["h16n32s1w4p2f"] * 2
+    rows = {r["fmt"]: r for r in every if r["pick"]}
+    extra = next(r for r in every if r["fmt"] == "fp8_ds_mla" and not r["pick"])
+    assert f"| h16n32s1w4p2f | {extra['per_row']['total']:.0f} |" in out.read_text()
+    assert f"{extra['per_row']['total'] / rows['bf16']['per_row']['total']:.2f}x |" in out.read_text()
     for r in rows.values():
         assert r["per_row"]["hmma"] >= r["min_hmma_per_row"] - 1e-9, r   # the loop found holds the MMAs
         assert r["loop"]["total"] == sum(r["loop"][k] for k in ("hmma", "conversion", "shared", "spills", "other"))
