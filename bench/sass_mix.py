@@ -84,10 +84,23 @@ def min_hmma_per_row(block_h: int, dv_split: int) -> float:
     return (block_h / 16) * (576 / 16 / 8 + (512 // dv_split) / 8 / 16)
 
 
+def disassemble(cubin: bytes, cc: int) -> str:
+    """nvdisasm -c of a cubin, with the nvdisasm Triton ships; RuntimeError where it cannot read the target."""
+    import triton.knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed on the sm_{cc} cubin: {res.stderr.strip()[:300]}")
+    return res.stdout
+
+
 def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048, tile: str | None = None) -> dict:
     """Cross-compile the pick for (tokens, heads, fmt) on sm_<cc> (or `tile`, a config string such as
     'h16n32s1w4p2f') and count its main loop per KV row."""
-    import triton.knobs
     from _sparse_mla_args import DIVISIBLE, FLOATS, fwd_pointer_types
     from _xcompile import cross_compile, signature
 
@@ -105,14 +118,7 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048, tile: 
     sig = signature(M._sparse_mla_fwd_kernel, fwd_pointer_types(fmt, split), FLOATS)
     c = cross_compile(M._sparse_mla_fwd_kernel, sig, consts, cc, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       divisible_by_16=DIVISIBLE)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(c.cubin)
-        res = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"nvdisasm failed on the sm_{cc} cubin: {res.stderr.strip()[:300]}")
-    counts = classify(main_loop(res.stdout))
+    counts = classify(main_loop(disassemble(c.cubin, cc)))
     programs = -(-heads // cfg.block_h) * cfg.dv_split     # programs that read the same KV row
     per_row = {key: v * cfg.num_warps / cfg.block_n * programs for key, v in counts.items()}
     return dict(cc=cc, fmt=fmt, tokens=tokens, heads=heads, tile=str(cfg), pick=tile is None, warps=cfg.num_warps, programs=programs,

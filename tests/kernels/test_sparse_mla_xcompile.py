@@ -32,6 +32,27 @@ def extra_tiles(capability, fmt) -> list:
     return [t for t in M.FOCUS_TILES.get(fmt, []) if capability == (9, 0) and M._TRITON_VERSION >= (3, 6)]
 
 
+# Tiles that may spill a few bytes where the spill-free alternatives are measured far slower, as long as the main
+# loop stays (almost) free of local-memory traffic (checked on the cubin's SASS with bench/sass_mix.py's loop finder:
+# at most 1% of its instructions): (format, tile) -> bytes per direction. bf16 h32n32w4p2, the sm_80 / sm_86-89-120
+# 64-head pick since stop 45: 16-28 B (0-9 LDL/STL among the loop's ~1800 instructions; most of it outside the loop),
+# 2.4x faster than the spill-free h64n16w8p2 on the mma.sync build (bench/RESULTS.md, stop 45).
+SPILL_OUTSIDE_LOOP_OK = {("bf16", (32, 32, 4, 2, 1, 0)): 32}
+
+
+def loop_spills(c) -> tuple[int, int] | None:
+    """(LDL / STL instructions, all instructions) of the main loop of a cross-compiled kernel (nvdisasm of its
+    cubin); None where Triton's nvdisasm cannot read the target (sm_121a)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sass_mix import LOCAL, disassemble, main_loop
+
+    try:
+        ops = main_loop(disassemble(c.cubin, c.cc))
+    except RuntimeError:
+        return None
+    return sum(ops[o] for o in LOCAL), sum(ops.values())
+
+
 def _worker(cc: int) -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(HERE))
@@ -55,11 +76,13 @@ def _worker(cc: int) -> None:
                 c = cross_compile(M._sparse_mla_fwd_kernel,
                                   signature(M._sparse_mla_fwd_kernel, fwd_pointer_types(fmt, split), FLOATS),
                                   consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
-                print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=[bh, bn, nw, ns, dv, int(post)],
-                                      split=split, paged=paged,
+                tile = (bh, bn, nw, ns, dv, int(post))
+                allowed = SPILL_OUTSIDE_LOOP_OK.get((fmt, tile), 0)
+                print(json.dumps(dict(kernel="fwd", cc=cc, fmt=fmt, tile=list(tile), split=split, paged=paged,
                                       shared=c.shared, limit=SHARED_LIMIT[cc], regs=c.registers,
-                                      spill_stores=c.spill_stores, spill_loads=c.spill_loads,
-                                      traps=c.traps)), flush=True)
+                                      spill_stores=c.spill_stores, spill_loads=c.spill_loads, traps=c.traps,
+                                      spill_ok=allowed,
+                                      loop=loop_spills(c) if allowed and c.spills else [0, 0])), flush=True)
     ptrs = {"idx_ptr": "*i32", "req_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i32"}
     c = cross_compile(M._request_slots_kernel, signature(M._request_slots_kernel, ptrs), {"BLOCK": M._SLOTS_BLOCK},
                       cc, num_warps=4, num_stages=1, divisible_by_16=("idx_ptr", "slot_ptr", "topk", "stride_it"))
@@ -120,10 +143,17 @@ def test_every_heuristic_config_fits_and_does_not_spill(tri, cc):
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {r["kernel"] for r in rows} == {"fwd", "combine", "slots", "upconvert"}
     assert {r.get("paged") for r in rows if r["kernel"] == "fwd"} == {False, True}
-    bad = [r for r in rows if r["shared"] > r["limit"] or r["spill_stores"] or r["spill_loads"] or r["traps"]]
+    # sm_121 (DGX Spark) compiles the sm_120 code, whose loop is checked in the sm_120 case; Triton's nvdisasm cannot
+    # disassemble sm_121a, so there the byte bound alone applies
+    ok = [r for r in rows if r.get("spill_ok") and max(r["spill_stores"], r["spill_loads"]) <= r["spill_ok"]
+          and (r["loop"][0] <= 0.01 * r["loop"][1] if r["loop"] is not None else cc == 121)]
+    assert len(ok) == 0 or {r["fmt"] for r in ok} == {"bf16"}, ok
+    bad = [r for r in rows if r["shared"] > r["limit"] or r["traps"]
+           or ((r["spill_stores"] or r["spill_loads"]) and r not in ok)]
     table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']} paged={r.get('paged')}: shared "
                       f"{r['shared']}/{r['limit']} B, {r['regs']} regs, spills "
-                      f"{r['spill_stores']}/{r['spill_loads']} B, traps {r['traps']}" for r in rows)
+                      f"{r['spill_stores']}/{r['spill_loads']} B (main loop: {(r.get('loop') or ['?', '?'])[0]} "
+                      f"of {(r.get('loop') or ['?', '?'])[1]} instructions), traps {r['traps']}" for r in rows)
     assert not bad, (f"triton {tri}, sm_{cc}: configurations over the shared-memory limit, spilling, or "
                      f"lowered to a trap (Triton could not compile them for the target):\n{table}")
     print(f"triton {tri}, sm_{cc}:\n{table}")
