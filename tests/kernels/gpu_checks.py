@@ -97,13 +97,30 @@ SM90_TILES = sorted({(f, t) for f in SM.KV_FORMATS for t in SM.candidate_tiles((
                          ids=[f"{f}-{SM.SparseMLAConfig.from_tile(t)}" for f, t in SM90_TILES])
 def test_sparse_mla_every_sm90_tile(i):
     """Every tile the sm_90 tables and the benchmark's focus list hold, with and without splits."""
-    fmt, tile = SM90_TILES[i]
-    case = C.mla_case(420 + i, fmt, 70, 300, 3, 64, num_blocks=8)
+    _check_tile(420 + i, *SM90_TILES[i])
+
+
+def _check_tile(seed: int, fmt: str, tile: tuple) -> None:
+    """One table tile on 70 heads x top-k 300 x 3 tokens, unsplit and in 3 splits, against the reference."""
+    case = C.mla_case(seed, fmt, 70, 300, 3, 64, num_blocks=8)
     for splits in (1, 3):
         config = SM.SparseMLAConfig.from_tile(tile, splits)
-        case.what = f"seed={420 + i} {fmt} config={config}"
+        case.what = f"seed={seed} {fmt} config={config}"
         out, lse = _run_mla(case.to("cuda"), config=config)
         C.check_mla(out, lse, case.ref(), _mla_tol(fmt), case.what)
+
+
+MMA_SYNC_TILES = sorted({(f, t) for cap in ((8, 0), (8, 6), (8, 9), (12, 0)) for f in SM.KV_FORMATS
+                         for t in SM.candidate_tiles(cap, f)})
+
+
+@pytest.mark.parametrize("i", range(len(MMA_SYNC_TILES)),
+                         ids=[f"{f}-{SM.SparseMLAConfig.from_tile(t)}" for f, t in MMA_SYNC_TILES])
+def test_sparse_mla_every_mma_sync_tile(i):
+    """Every tile the sm_80 / sm_86-89-120 tables hold, on this GPU: run it with DISABLE_MMA_V3=1 (and its own
+    TRITON_CACHE_DIR) for the mma.sync code those GPUs get; with and without splits (the e4m3 bit decode of sm_80/86:
+    test_sparse_mla_fp8_bit_path_on_gpu)."""
+    _check_tile(470 + i, *MMA_SYNC_TILES[i])
 
 
 GLUON_TILES = [(f, t) for f in SM.KV_FORMATS for t in dict.fromkeys(SM.candidate_tiles((9, 0), f) + SM.FOCUS_TILES[f])
