@@ -121,8 +121,8 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048, tile: 
     counts = classify(main_loop(disassemble(c.cubin, cc)))
     programs = -(-heads // cfg.block_h) * cfg.dv_split     # programs that read the same KV row
     per_row = {key: v * cfg.num_warps / cfg.block_n * programs for key, v in counts.items()}
-    return dict(cc=cc, fmt=fmt, tokens=tokens, heads=heads, tile=str(cfg), pick=tile is None, warps=cfg.num_warps, programs=programs,
-                loop=counts, per_row=per_row,
+    return dict(cc=cc, fmt=fmt, tokens=tokens, heads=heads, tile=str(cfg), pick=tile is None, warps=cfg.num_warps,
+                programs=programs, loop=counts, per_row=per_row,
                 min_hmma_per_row=min_hmma_per_row(cfg.block_h, cfg.dv_split) * programs)
 
 
@@ -158,9 +158,9 @@ def main(argv=None) -> int:
             for fmt in args.formats.split(","):
                 for tile in [None] + (args.tiles.split(",") if args.tiles else []):
                     rows.append(loop_of(cc, fmt, args.tokens, heads, tile=tile))
-                    print(f"sm_{cc} {heads} heads x {args.tokens} {fmt}: {rows[-1]['tile']}"
-                          f"{'' if tile else ' (pick)'}, {rows[-1]['per_row']['total']:.0f} warp instructions per KV row",
-                          file=sys.stderr, flush=True)
+                    r = rows[-1]
+                    print(f"sm_{cc} {heads} heads x {args.tokens} {fmt}: {r['tile']}{'' if tile else ' (pick)'}, "
+                          f"{r['per_row']['total']:.0f} warp instructions per KV row", file=sys.stderr, flush=True)
     text = report(rows)
     if args.out:
         Path(args.out).write_text(text)

@@ -35,7 +35,7 @@ def extra_tiles(capability, fmt) -> list:
 # Tiles that may spill a few bytes where the spill-free alternatives are measured far slower, as long as the main
 # loop stays (almost) free of local-memory traffic (checked on the cubin's SASS with bench/sass_mix.py's loop finder:
 # at most 1% of its instructions): (format, tile) -> bytes per direction. bf16 h32n32w4p2, the sm_80 / sm_86-89-120
-# 64-head pick since stop 45: 16-28 B (0-9 LDL/STL among the loop's ~1800 instructions; most of it outside the loop),
+# 64-head pick since stop 45: 16-28 B, most of it outside the loop (0-9 LDL/STL among its 920-1090 instructions),
 # 2.4x faster than the spill-free h64n16w8p2 on the mma.sync build (bench/RESULTS.md, stop 45).
 SPILL_OUTSIDE_LOOP_OK = {("bf16", (32, 32, 4, 2, 1, 0)): 32}
 
@@ -147,7 +147,6 @@ def test_every_heuristic_config_fits_and_does_not_spill(tri, cc):
     # disassemble sm_121a, so there the byte bound alone applies
     ok = [r for r in rows if r.get("spill_ok") and max(r["spill_stores"], r["spill_loads"]) <= r["spill_ok"]
           and (r["loop"][0] <= 0.01 * r["loop"][1] if r["loop"] is not None else cc == 121)]
-    assert len(ok) == 0 or {r["fmt"] for r in ok} == {"bf16"}, ok
     bad = [r for r in rows if r["shared"] > r["limit"] or r["traps"]
            or ((r["spill_stores"] or r["spill_loads"]) and r not in ok)]
     table = "\n".join(f"  {r['kernel']} {r['fmt']} tile={r['tile']} split={r['split']} paged={r.get('paged')}: shared "
