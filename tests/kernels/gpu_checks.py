@@ -117,9 +117,9 @@ MMA_SYNC_TILES = sorted({(f, t) for cap in ((8, 0), (8, 6), (8, 9), (12, 0)) for
 @pytest.mark.parametrize("i", range(len(MMA_SYNC_TILES)),
                          ids=[f"{f}-{SM.SparseMLAConfig.from_tile(t)}" for f, t in MMA_SYNC_TILES])
 def test_sparse_mla_every_mma_sync_tile(i):
-    """Every tile the sm_80 / sm_86-89-120 tables hold, on this GPU: run it with DISABLE_MMA_V3=1 (and its own
-    TRITON_CACHE_DIR) for the mma.sync code those GPUs get; with and without splits (the e4m3 bit decode of sm_80/86:
-    test_sparse_mla_fp8_bit_path_on_gpu)."""
+    """Every tile the sm_80 / sm_86-89-120 tables hold, on this GPU; test_gpu_kernels.py runs it with
+    DISABLE_MMA_V3=1 and its own TRITON_CACHE_DIR for the mma.sync code those GPUs get; with and without splits (the
+    e4m3 bit decode of sm_80/86: test_sparse_mla_fp8_bit_path_on_gpu)."""
     _check_tile(470 + i, *MMA_SYNC_TILES[i])
 
 

@@ -24,6 +24,7 @@ CHECKS = HERE / "gpu_checks.py"
 GROUPS = [
     "test_sparse_mla_heuristic_launch",
     "test_sparse_mla_every_sm90_tile",
+    "test_sparse_mla_every_mma_sync_tile",
     "test_sparse_mla_gluon_long_lists",
     "test_sparse_mla_fp8_bit_path_on_gpu",
     "test_gpu_tolerance_catches_a_dropped_key",
@@ -39,6 +40,10 @@ GROUPS = [
 ]
 
 
+# Groups built as for sm_80-sm_120 (mma.sync instead of wgmma on an sm_90 card), in their own Triton cache.
+MMA_SYNC_GROUPS = {"test_sparse_mla_every_mma_sync_tile"}
+
+
 def test_every_gpu_check_is_run():
     """Runs everywhere: GROUPS names every test function of gpu_checks.py (read without importing it)."""
     tree = ast.parse(CHECKS.read_text())
@@ -48,8 +53,10 @@ def test_every_gpu_check_is_run():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", GROUPS)
-def test_gpu_checks(name, request):
+def test_gpu_checks(name, request, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if name in MMA_SYNC_GROUPS:
+        env.update(DISABLE_MMA_V3="1", TRITON_CACHE_DIR=str(tmp_path / "triton-cache-mma-sync"))
     # --noconftest: tests/conftest.py sets TRITON_INTERPRET=1 for this suite, and gpu_checks.py needs compiled kernels
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--noconftest",
                            f"{CHECKS}::{name}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
