@@ -106,11 +106,10 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048, tile: 
 
     from overlay.kernels import sparse_mla as M
 
-    cfg = M.choose_config(tokens, heads, topk, fmt, capability=(cc // 10, cc % 10), gluon=False)
-    if tile is not None:
-        cfg = M.SparseMLAConfig.from_string(tile)
-        if cfg.gluon:
-            raise SystemExit(f"sass_mix.py: {tile} is a Gluon tile (sm_90 only); give a Triton tile")
+    if tile is None:
+        cfg = M.choose_config(tokens, heads, topk, fmt, capability=(cc // 10, cc % 10), gluon=False)
+    elif (cfg := M.SparseMLAConfig.from_string(tile)).gluon:
+        raise SystemExit(f"sass_mix.py: {tile} is a Gluon tile (sm_90 only); give a Triton tile")
     split = cfg.num_splits > 1
     consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=cc >= 89, SPLIT=split, DOT_F32=False,
                   BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
