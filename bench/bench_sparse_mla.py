@@ -71,7 +71,7 @@ FOCUS_SHAPES = [("bf16", 128, 128, False), ("fp8_ds_mla", 128, 128, False), ("bf
                 ("fp8_ds_mla", 1, 8, False), ("bf16", 32, 64, False), ("bf16", 128, 16, False),
                 ("fp8_ds_mla", 32, 16, False), ("fp8_ds_mla", 128, 16, False),
                 ("bf16", 8, 64, False), ("bf16", 128, 8, False), ("fp8_ds_mla", 32, 64, False),
-                ("fp8_ds_mla", 8, 64, False)]
+                ("fp8_ds_mla", 8, 64, False), ("fp8_ds_mla", 128, 32, False), ("fp8_ds_mla", 32, 32, False)]
 BASELINE = os.path.join(ROOT, "bench", "results", "h200-sparse_mla-run1.md")
 
 
@@ -106,6 +106,8 @@ def describe(cfg) -> str:
         parts.append("value dim split: 2 programs x 256 cols")
     if cfg.fp8_post_scale:
         parts.append("fp8 scales after the dots")
+    if cfg.fp8_prefetch:
+        parts.append("next block's raw fp8 prefetched into registers")
     if cfg.ws:
         parts.append("warp-specialised Gluon sm_90 kernel (a producer warpgroup and 2 math warpgroups)")
     elif cfg.gluon:
@@ -148,16 +150,20 @@ MMA_SYNC_CAPABILITIES = ((8, 0), (8, 9))
 MMA_SYNC_LEADS = {
     ("bf16", 64): (("spills", "h32n64s1w4p2"),),
     ("bf16", 128): (("spills", "h32n64s1w4p2"),),
-    ("fp8_ds_mla", 16): (("sm8x lead", "h16n32s1w4p2"),),
-    ("fp8_ds_mla", 64): (("spills", "h32n32s1w4p2"),),
-    ("fp8_ds_mla", 128): (("spills", "h32n32s1w4p2"),),
+    ("fp8_ds_mla", 16): (("sm8x lead", "h16n32s1w4p2"), ("prefetch w4", "h16n32s1w4p2r"),
+                         ("prefetch n64", "h16n64s1w8p2r")),
+    ("fp8_ds_mla", 64): (("spills", "h32n32s1w4p2"), ("prefetch h64", "h64n16s1w8p2r"),
+                         ("prefetch w4", "h32n16s1w4p2r"), ("sm80 prefetch h64", "h64n32s1w8p2r")),
+    ("fp8_ds_mla", 128): (("spills", "h32n32s1w4p2"), ("prefetch h64", "h64n16s1w8p2r"),
+                          ("prefetch w4", "h32n16s1w4p2r"), ("sm80 prefetch h64", "h64n32s1w8p2r")),
 }
 
 
 def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLAConfig"]]:
     """(tag, config): each mma.sync family's pick ("sm80 pick", "sm89 pick"), and for fp8_ds_mla its twin
-    with the other fp8_post_scale ("sm80 alt"); then MMA_SYNC_LEADS for this format and head count, split like the
-    last family's pick ("sm8x lead"); a config timed under one tag is not timed again under another."""
+    with the other fp8_post_scale ("sm80 alt") and with the raw-tile prefetch ("sm80 prefetch"); then MMA_SYNC_LEADS
+    for this format and head count, each split by the heuristic's rule for its own tile ("sm8x lead"); a config timed
+    under one tag is not timed again under another."""
     out, seen = [], set()
     for cap in MMA_SYNC_CAPABILITIES:
         c = SM.choose_config(T, H, topk, fmt, sm_count=sm_count, capability=cap)
@@ -165,9 +171,11 @@ def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLA
         pairs = [(f"{fam} pick", c)]
         if fmt == "fp8_ds_mla":
             pairs.append((f"{fam} alt", replace(c, fp8_post_scale=not c.fp8_post_scale)))
+            pairs.append((f"{fam} prefetch", replace(c, fp8_prefetch=True)))
         if cap == MMA_SYNC_CAPABILITIES[-1]:
-            pairs += [(tag, replace(SM.SparseMLAConfig.from_string(tile), num_splits=c.num_splits))
-                      for tag, tile in MMA_SYNC_LEADS.get((fmt, H), ())]
+            leads = [SM.SparseMLAConfig.from_string(tile) for _, tile in MMA_SYNC_LEADS.get((fmt, H), ())]
+            pairs += [(tag, replace(lead, num_splits=SM.split_count(T, H, topk, lead, 1, sm_count)))
+                      for (tag, _), lead in zip(MMA_SYNC_LEADS.get((fmt, H), ()), leads)]
         for tag, cfg in pairs:
             if cfg not in seen:
                 seen.add(cfg)

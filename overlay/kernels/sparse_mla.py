@@ -110,6 +110,39 @@ _LOG2E = 1.4426950408889634
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _load_nope_raw(kv_ptr, row, valid, col, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The stored nope columns col .. col+127 of BLOCK_N rows and their scale: fp8 -> (raw bytes [BLOCK_N, 128],
+    float32 tile scale [BLOCK_N]); bf16 -> (the tile in DOT_DTYPE, 1)."""
+    d = tl.arange(0, 128)
+    if IS_FP8:
+        raw = tl.load(kv_ptr + row[:, None] + col + d[None, :], mask=valid[:, None], other=0)
+        scale = tl.load((kv_ptr + row + (512 + 4 * (col // 128))).to(tl.pointer_type(tl.float32)),
+                        mask=valid, other=0.0)
+        return raw, scale
+    else:
+        t = tl.load(kv_ptr + row[:, None] + col + d[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        return t, tl.full(row.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _decode_nope(raw, scale, FP8_NATIVE: tl.constexpr, FP8_POST: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Raw e4m3 bytes and tile scale (_load_nope_raw) -> (tile in DOT_DTYPE, scale), as _load_nope_tile says."""
+    if FP8_NATIVE:
+        x = raw.to(tl.float8e4nv, bitcast=True)
+    else:
+        # sm_80/86 have no e4m3 conversion: place sign/exponent/mantissa into an fp16 bit pattern
+        # (exponent bias 15 instead of 7, subnormals included) and fold the 2^8 into the scale.
+        r16 = raw.to(tl.uint16)
+        bits = ((r16 & 0x80) << 8) | ((r16 & 0x7F) << 7)
+        x = bits.to(tl.float16, bitcast=True)
+        scale = scale * 256.0
+    if FP8_POST:
+        return x.to(DOT_DTYPE), scale
+    else:
+        return (x.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), scale
+
+
+@triton.jit
 def _load_nope_tile(kv_ptr, row, valid, col, IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
                     FP8_POST: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Gather nope columns col .. col+127 (col a multiple of 128) of BLOCK_N rows.
@@ -121,27 +154,11 @@ def _load_nope_tile(kv_ptr, row, valid, col, IS_FP8: tl.constexpr, FP8_NATIVE: t
     caller applies the per-row tile scale to the [BLOCK_H, BLOCK_N] scores and to P instead
     (s_j = (q_j . x_j) * scale_j;  P.V_j = (P * scale_j) . x_j), which is less work when BLOCK_H < 128.
     """
-    d = tl.arange(0, 128)
+    t, scale = _load_nope_raw(kv_ptr, row, valid, col, IS_FP8, DOT_DTYPE)
     if IS_FP8:
-        raw = tl.load(kv_ptr + row[:, None] + col + d[None, :], mask=valid[:, None], other=0)
-        scale = tl.load((kv_ptr + row + (512 + 4 * (col // 128))).to(tl.pointer_type(tl.float32)),
-                        mask=valid, other=0.0)
-        if FP8_NATIVE:
-            x = raw.to(tl.float8e4nv, bitcast=True)
-        else:
-            # sm_80/86 have no e4m3 conversion: place sign/exponent/mantissa into an fp16 bit pattern
-            # (exponent bias 15 instead of 7, subnormals included) and fold the 2^8 into the scale.
-            r16 = raw.to(tl.uint16)
-            bits = ((r16 & 0x80) << 8) | ((r16 & 0x7F) << 7)
-            x = bits.to(tl.float16, bitcast=True)
-            scale = scale * 256.0
-        if FP8_POST:
-            return x.to(DOT_DTYPE), scale
-        else:
-            return (x.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), scale
+        return _decode_nope(t, scale, FP8_NATIVE, FP8_POST, DOT_DTYPE)
     else:
-        t = tl.load(kv_ptr + row[:, None] + col + d[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-        return t, tl.full(row.shape, 1.0, tl.float32)
+        return t, scale
 
 
 @triton.jit
@@ -173,6 +190,42 @@ def _pv_tile(acc, alpha, p, v, scale, POST: tl.constexpr, DOT_DTYPE: tl.constexp
 
 
 @triton.jit
+def _kv_rows(idx_row, bt_row, n0, end, num_slots, num_blocks, block_size, max_blocks, stride_kvb, stride_kvt,
+             BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """(valid [BLOCK_N], row offset [BLOCK_N] int64) of top-k positions n0 .. n0 + BLOCK_N - 1 (see the kernel)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < end
+    if PAGED:
+        pos = tl.load(idx_row + offs_n, mask=nmask, other=-1)
+        lblk = tl.maximum(pos, 0) // block_size
+        blk = tl.load(bt_row + lblk, mask=nmask & (pos >= 0) & (lblk < max_blocks), other=-1)
+        valid = (blk >= 0) & (blk < num_blocks)
+        blk = tl.where(valid, blk, 0)
+        off = tl.where(valid, pos - lblk * block_size, 0)
+    else:
+        slot = tl.load(idx_row + offs_n, mask=nmask, other=-1)
+        valid = nmask & (slot >= 0) & (slot < num_slots)
+        slot = tl.where(valid, slot, 0)
+        blk = slot // block_size
+        off = slot - blk * block_size
+    return valid, blk.to(tl.int64) * stride_kvb + off.to(tl.int64) * stride_kvt
+
+
+@triton.jit
+def _gather_raw(kv_ptr, idx_row, bt_row, n0, end, num_slots, num_blocks, block_size, max_blocks, stride_kvb,
+                stride_kvt, cA, cB, cC, cD, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, IS_FP8: tl.constexpr,
+                DOT_DTYPE: tl.constexpr):
+    """(valid, row, then raw tile and scale of columns cA, cB, cC, cD) of top-k positions n0 .. n0 + BLOCK_N - 1."""
+    valid, row = _kv_rows(idx_row, bt_row, n0, end, num_slots, num_blocks, block_size, max_blocks, stride_kvb,
+                          stride_kvt, BLOCK_N, PAGED)
+    rA, sA = _load_nope_raw(kv_ptr, row, valid, cA, IS_FP8, DOT_DTYPE)
+    rB, sB = _load_nope_raw(kv_ptr, row, valid, cB, IS_FP8, DOT_DTYPE)
+    rC, sC = _load_nope_raw(kv_ptr, row, valid, cC, IS_FP8, DOT_DTYPE)
+    rD, sD = _load_nope_raw(kv_ptr, row, valid, cD, IS_FP8, DOT_DTYPE)
+    return valid, row, rA, sA, rB, sB, rC, sC, rD, sD
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, qr_ptr,               # nope queries [T, H, 512..]; rope queries at qr_ptr + rope_off (q itself or q_pe)
     kv_ptr, idx_ptr,
@@ -188,6 +241,7 @@ def _sparse_mla_fwd_kernel(
     IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
     PAGED: tl.constexpr = False, SKIP_TAIL: tl.constexpr = True, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     pdl_enter(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
     # program -> (token, split, value half, head group), head group fastest: programs that share a
@@ -260,28 +314,31 @@ def _sparse_mla_fwd_kernel(
     if PAGED:
         bt_row = bt_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_btr
         num_blocks = num_slots // block_size
+    else:
+        bt_row = bt_ptr
+        num_blocks = num_slots
+    if PREFETCH:
+        nxt = _gather_raw(kv_ptr, idx_row, bt_row, start, end, num_slots, num_blocks, block_size, max_blocks,
+                          stride_kvb, stride_kvt, cA, cB, cC, cD, BLOCK_N, PAGED, IS_FP8, DOT_DTYPE)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < end
-        if PAGED:
-            pos = tl.load(idx_row + offs_n, mask=nmask, other=-1)
-            lblk = tl.maximum(pos, 0) // block_size
-            blk = tl.load(bt_row + lblk, mask=nmask & (pos >= 0) & (lblk < max_blocks), other=-1)
-            valid = (blk >= 0) & (blk < num_blocks)
-            blk = tl.where(valid, blk, 0)
-            off = tl.where(valid, pos - lblk * block_size, 0)
+        if PREFETCH:
+            # fp8: this block's raw tiles were loaded by the previous iteration; load the next block's now, so
+            # the gathers overlap this block's math. Decoding a loop-carried value also keeps Triton from seeing
+            # the 8-bit load behind the dot operands (it would pick kWidth 4 and byte-wise shared loads).
+            valid, row, rA, sA, rB, sB, rC, sC, rD, sD = nxt
+            nxt = _gather_raw(kv_ptr, idx_row, bt_row, n0 + BLOCK_N, end, num_slots, num_blocks, block_size,
+                              max_blocks, stride_kvb, stride_kvt, cA, cB, cC, cD, BLOCK_N, PAGED, IS_FP8, DOT_DTYPE)
+            kA, sA = _decode_nope(rA, sA, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+            kB, sB = _decode_nope(rB, sB, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+            kC, sC = _decode_nope(rC, sC, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+            kD, sD = _decode_nope(rD, sD, FP8_NATIVE, FP8_POST, DOT_DTYPE)
         else:
-            slot = tl.load(idx_row + offs_n, mask=nmask, other=-1)
-            valid = nmask & (slot >= 0) & (slot < num_slots)
-            slot = tl.where(valid, slot, 0)
-            blk = slot // block_size
-            off = slot - blk * block_size
-        row = blk.to(tl.int64) * stride_kvb + off.to(tl.int64) * stride_kvt
-
-        kA, sA = _load_nope_tile(kv_ptr, row, valid, cA, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
-        kB, sB = _load_nope_tile(kv_ptr, row, valid, cB, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
-        kC, sC = _load_nope_tile(kv_ptr, row, valid, cC, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
-        kD, sD = _load_nope_tile(kv_ptr, row, valid, cD, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+            valid, row = _kv_rows(idx_row, bt_row, n0, end, num_slots, num_blocks, block_size, max_blocks,
+                                  stride_kvb, stride_kvt, BLOCK_N, PAGED)
+            kA, sA = _load_nope_tile(kv_ptr, row, valid, cA, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+            kB, sB = _load_nope_tile(kv_ptr, row, valid, cB, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+            kC, sC = _load_nope_tile(kv_ptr, row, valid, cC, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+            kD, sD = _load_nope_tile(kv_ptr, row, valid, cD, IS_FP8, FP8_NATIVE, FP8_POST, DOT_DTYPE)
         kr = _load_rope_tile(kv_ptr, row, valid, IS_FP8, DOT_DTYPE)
 
         s = tl.dot(qr, tl.trans(kr))
@@ -447,7 +504,10 @@ class SparseMLAConfig:
         gather buffers. 4 warps (``ws``): the warp-specialised tile (block_n 64, num_stages 2: its two key buffers; 4
         warps gather, or dequantise fp8_ds_mla, and two more warpgroups of 4 compute; its top-k splits are whole pairs
         of blocks).
-    String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f][g],
+    fp8_prefetch: fp8_ds_mla only, Triton tiles: each iteration loads the next block's raw e4m3 tiles into registers
+        while it computes this block (a software pipeline of the gathers Triton does not build for a decoded load;
+        it also lets Triton feed the dots from 16-bit shared memory via ldmatrix instead of byte-wise loads).
+    String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f][g][r],
         e.g. 'h64n64s1w8p3d2' (dv_split=2), 'h16n32s8w4p2f' (fp8_post_scale) or 'h64n64s1w8p2g' (gluon).
     Tuple form (``tile``, :func:`candidate_tiles`): everything but num_splits, in field order.
     """
@@ -460,6 +520,7 @@ class SparseMLAConfig:
     dv_split: int = 1
     fp8_post_scale: bool = False
     gluon: bool = False
+    fp8_prefetch: bool = False
 
     @property
     def ws(self) -> bool:
@@ -473,35 +534,36 @@ class SparseMLAConfig:
         return 2 * self.block_n if self.ws else self.block_n
 
     @property
-    def tile(self) -> tuple[int, int, int, int, int, bool, bool]:
+    def tile(self) -> tuple[int, int, int, int, int, bool, bool, bool]:
         """Everything but the split count (what one compile depends on), as a tuple."""
         return (self.block_h, self.block_n, self.num_warps, self.num_stages, self.dv_split,
-                self.fp8_post_scale, self.gluon)
+                self.fp8_post_scale, self.gluon, self.fp8_prefetch)
 
     def __str__(self) -> str:  # compact form, parsed back by from_string (benchmark sweeps)
         return (f"h{self.block_h}n{self.block_n}s{self.num_splits}"
                 f"w{self.num_warps}p{self.num_stages}"
                 f"{'d%d' % self.dv_split if self.dv_split != 1 else ''}{'f' if self.fp8_post_scale else ''}"
-                f"{'g' if self.gluon else ''}")
+                f"{'g' if self.gluon else ''}{'r' if self.fp8_prefetch else ''}")
 
     @classmethod
     def from_string(cls, s: str) -> "SparseMLAConfig":
         import re
 
-        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)(?:d(\d+))?(f)?(g)?", s.strip())
+        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)(?:d(\d+))?(f)?(g)?(r)?", s.strip())
         if not m:
             raise ValueError(f"bad sparse-MLA config {s!r}: expected e.g. 'h16n32s8w4p2' "
-                             "(block_h, block_n, num_splits, num_warps, num_stages, optional d2, f and g)")
+                             "(block_h, block_n, num_splits, num_warps, num_stages, optional d2, f, g and r)")
         g = m.groups()
-        return cls(*(int(x) for x in g[:5]), int(g[5] or 1), g[6] == "f", g[7] == "g")
+        return cls(*(int(x) for x in g[:5]), int(g[5] or 1), g[6] == "f", g[7] == "g", g[8] == "r")
 
     @classmethod
     def from_tile(cls, tile: "tuple | SparseMLAConfig", num_splits: int = 1) -> "SparseMLAConfig":
         """The config of a tile (tuple form or a config) with ``num_splits`` splits."""
         if isinstance(tile, SparseMLAConfig):
             return replace(tile, num_splits=num_splits)
-        bh, bn, nw, ns, dv, post, *gluon = tile
-        return cls(bh, bn, num_splits, nw, ns, dv, post, bool(gluon and gluon[0]))
+        bh, bn, nw, ns, dv, post, *rest = tile
+        gluon, prefetch = (list(rest) + [False, False])[:2]
+        return cls(bh, bn, num_splits, nw, ns, dv, post, bool(gluon), bool(prefetch))
 
 
 @dataclass(frozen=True)
@@ -551,53 +613,58 @@ def _combine_bucket(num_splits: int) -> tuple[int, int]:
 #                fill programs_per_sm x sm_count.
 # Every tile is cross-compiled for its targets by tests/kernels/test_sparse_mla_xcompile.py (shared-memory
 # limit, zero ptxas spills but for its SPILL_OUTSIDE_LOOP_OK entry). BLOCK_H=64 with fp8 dequantisation spills on
-# every mma.sync target (sm_80/86/89/120), so those use two 32-head groups; BLOCK_H=64 x BLOCK_N=32 bf16 spills on
-# sm_8x.
+# every mma.sync target (sm_80/86/89/120) unless the raw tiles are prefetched (fp8_prefetch), and then fits only
+# sm_80's shared memory (112 KB), so sm_8x use two 32-head groups; BLOCK_H=64 x BLOCK_N=32 bf16 spills on sm_8x.
+# fp8_ds_mla Triton tiles prefetch the next block's raw tiles (stop 46, H100 on both builds): on the mma.sync build
+# 19-26% faster than the same tile without (T=128 x 64 heads 488 against 631 us), sm_80's h64n32w8p2r 1.8x (350); on
+# sm_90's Triton tiles 7-21% (16 heads, T=1 latency tiles).
 # sm90 entries are the H200 sweep's fastest; tile choice measured:
 # bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources. The sm80 / sm8x 64-head bf16 tile (stop 45) is
 # h32n32w4p2: 2.4x faster than the spill-free h64n16w8p2 on the mma.sync build (260 against 614 us at T=128 x 64
 # heads, 7381 against 19251 at T=4096) for 16-28 spilled bytes, nearly all outside the main loop (the xcompile test
 # bounds both).
 def _tuning(*, block_h: int, block_n: int, num_warps: int, num_stages: int,
-            programs_per_sm: int = 1) -> SparseMLATuning:
+            programs_per_sm: int = 1, fp8_prefetch: bool = False) -> SparseMLATuning:
     return SparseMLATuning(SparseMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
-                                           num_stages=num_stages), programs_per_sm)
+                                           num_stages=num_stages, fp8_prefetch=fp8_prefetch), programs_per_sm)
 
 
+_TRITON_36 = _TRITON_VERSION >= (3, 6)
 _LATENCY_TUNING: dict[tuple[str, str], SparseMLATuning] = {
     ("sm90", "bf16"): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2),
-    ("sm90", "fp8_ds_mla"): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    ("sm90", "fp8_ds_mla"): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_prefetch=True),
     # 8 warps spill 4 B with Triton 3.5 here
     ("sm80", "bf16"): _tuning(block_h=16, block_n=64, num_warps=4, num_stages=2),
-    ("sm80", "fp8_ds_mla"): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    ("sm80", "fp8_ds_mla"): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_prefetch=True),
     # 8 warps spill 4 B on sm_120 (ptxas 12.9)
     ("sm8x", "bf16"): _tuning(block_h=16, block_n=32, num_warps=4, num_stages=2),
-    ("sm8x", "fp8_ds_mla"): _tuning(block_h=16, block_n=32, num_warps=8, num_stages=2),
+    # prefetching: Triton 3.5 spills 4 B on sm_86
+    ("sm8x", "fp8_ds_mla"): _tuning(block_h=16, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=_TRITON_36),
 }
 # Triton 3.5 (vLLM 0.16.0's torch) spills 120-130+ B at 64 heads x n64p3 on sm_90 (bf16 and fp8
 # dequantisation); Triton 3.6 does not. The 3.5 fallbacks are the next-best spill-free tiles.
-_TRITON_36 = _TRITON_VERSION >= (3, 6)
 _THROUGHPUT_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
     ("sm90", "bf16", 16): _tuning(block_h=16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2),
     ("sm90", "bf16", 32): _tuning(block_h=32, block_n=64, num_warps=8, num_stages=2),
     ("sm90", "bf16", 64): (_tuning(block_h=64, block_n=64, num_warps=8, num_stages=3) if _TRITON_36
                            else _tuning(block_h=64, block_n=32, num_warps=8, num_stages=2)),
-    ("sm90", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2),
+    ("sm90", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
+                                        fp8_prefetch=True),
     ("sm90", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
     ("sm90", "fp8_ds_mla", 64): (_tuning(block_h=64, block_n=64, num_warps=8, num_stages=3) if _TRITON_36
                                  else _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2)),
     ("sm80", "bf16", 16): _tuning(block_h=16, block_n=64, num_warps=4, num_stages=2),
     ("sm80", "bf16", 32): _tuning(block_h=32, block_n=64, num_warps=8, num_stages=2),
     ("sm80", "bf16", 64): _tuning(block_h=32, block_n=32, num_warps=4, num_stages=2),
-    ("sm80", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2),
-    ("sm80", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
-    ("sm80", "fp8_ds_mla", 64): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    ("sm80", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_prefetch=True),
+    ("sm80", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
+    ("sm80", "fp8_ds_mla", 64): _tuning(block_h=64, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
     ("sm8x", "bf16", 16): _tuning(block_h=16, block_n=32, num_warps=4, num_stages=2),
     ("sm8x", "bf16", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
     ("sm8x", "bf16", 64): _tuning(block_h=32, block_n=32, num_warps=4, num_stages=2),
-    ("sm8x", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=32, num_warps=8, num_stages=2),
-    ("sm8x", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
-    ("sm8x", "fp8_ds_mla", 64): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    ("sm8x", "fp8_ds_mla", 16): _tuning(block_h=16, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=_TRITON_36),
+    ("sm8x", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
+    ("sm8x", "fp8_ds_mla", 64): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
 }
 # sm_10x (B200/GB200; tcgen05 instead of wgmma): the sm80 tiles, except the bf16 64-head one: 64-head tiles
 # with DV_SPLIT=1 lower to a lone `trap` for sm_100 (tests/kernels/test_sparse_mla_xcompile.py checks every target).
@@ -605,6 +672,8 @@ _THROUGHPUT_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
 for _table in (_LATENCY_TUNING, _THROUGHPUT_TUNING):
     _table.update({("sm100", *key[1:]): entry for key, entry in list(_table.items()) if key[0] == "sm80"})
 _THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2)
+_THROUGHPUT_TUNING[("sm100", "fp8_ds_mla", 64)] = _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2,
+                                                          fp8_prefetch=True)
 
 # sm_90, 64-head bucket: the Gluon kernel (sparse_mla_sm90.py; num_stages = its gather buffers) wherever
 # the batch has at least GLUON_MIN_ROWS[format] (token, 64-head group) rows (checked before the latency regime). On the
@@ -680,7 +749,12 @@ FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
                    SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=3),
                    SparseMLAConfig(block_h=128, block_n=32, num_warps=8, num_stages=2, dv_split=2),
                    # the warp-specialised tile (a producer warpgroup dequantises, two math warpgroups)
-                   SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2, gluon=True)),
+                   SparseMLAConfig(block_h=64, block_n=64, num_warps=4, num_stages=2, gluon=True),
+                   # the 16-head throughput and the latency tile with the next block's raw tiles prefetched
+                   SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, fp8_prefetch=True),
+                   SparseMLAConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_prefetch=True),
+                   SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
+                   SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True)),
 }
 # The same in tuple form (the benchmark and the kernel tests concatenate it with candidate_tiles()).
 FOCUS_TILES: dict[str, list[tuple]] = {fmt: [c.tile for c in cs] for fmt, cs in FOCUS_CONFIGS.items()}
@@ -1176,6 +1250,8 @@ class _Plan:
             FP8_POST=bool(config.fp8_post_scale) and kv_format == "fp8_ds_mla", PAGED=self.inline,
             SKIP_TAIL=SKIP_TAIL and split_len >= SKIP_TAIL_MIN_BLOCKS * bn,
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+        if config.fp8_prefetch and kv_format == "fp8_ds_mla" and not config.gluon:
+            self.fwd_kw.update(PREFETCH=True)
         if config.gluon:  # its gather buffers are num_stages; Triton does not software-pipeline Gluon code
             self.fwd_kw.update(NUM_BUF=config.num_stages, P_SWIZZLE=min(128, 2 * bn), num_stages=1)
         if self.split:

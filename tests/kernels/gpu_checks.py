@@ -123,6 +123,22 @@ def test_sparse_mla_every_mma_sync_tile(i):
     _check_tile(470 + i, *MMA_SYNC_TILES[i])
 
 
+# fp8_ds_mla tiles with the next block's raw tiles prefetched (fp8_prefetch): every non-Gluon fp8 table tile of every
+# family so built, and the benchmark's leads (bench_sparse_mla.MMA_SYNC_LEADS, FOCUS_CONFIGS)
+PREFETCH_TILES = sorted({t[:7] + (True,) for cap in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
+                         for t in SM.candidate_tiles(cap, "fp8_ds_mla") if not t[6]}
+                        | {SM.SparseMLAConfig.from_string(s).tile for s in (
+                            "h64n16s1w8p2r", "h32n16s1w4p2r", "h64n32s1w8p2r", "h16n32s1w4p2r", "h16n64s1w8p2r")})
+
+
+@pytest.mark.parametrize("i", range(len(PREFETCH_TILES)),
+                         ids=[str(SM.SparseMLAConfig.from_tile(t)) for t in PREFETCH_TILES])
+def test_sparse_mla_fp8_prefetch_tile(i):
+    """The fp8_ds_mla tiles that load the next block's raw tiles one iteration ahead, against the reference (with
+    DISABLE_MMA_V3=1 in test_gpu_kernels.py for the mma.sync code), unsplit and in 3 splits."""
+    _check_tile(520 + i, "fp8_ds_mla", PREFETCH_TILES[i])
+
+
 GLUON_TILES = [(f, t) for f in SM.KV_FORMATS for t in dict.fromkeys(SM.candidate_tiles((9, 0), f) + SM.FOCUS_TILES[f])
                if SM.SparseMLAConfig.from_tile(t).gluon]
 

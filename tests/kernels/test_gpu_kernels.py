@@ -37,11 +37,16 @@ GROUPS = [
     "test_backend_forward_with_request_local_indices",
     "test_pdl_launches_compute_what_ordinary_ones_do",
     "test_fp8_prefill_workspace_on_gpu",
+    "test_sparse_mla_fp8_prefetch_tile",
 ]
 
 
-# Groups built as for sm_80-sm_120 (mma.sync instead of wgmma on an sm_90 card), in their own Triton cache.
+# Groups built as for sm_80-sm_120 (mma.sync instead of wgmma on an sm_90 card), in their own Triton cache; those of
+# BOTH_BUILDS run once each way.
 MMA_SYNC_GROUPS = {"test_sparse_mla_every_mma_sync_tile"}
+BOTH_BUILDS = {"test_sparse_mla_fp8_prefetch_tile"}
+RUNS = [(name, False) for name in GROUPS if name not in MMA_SYNC_GROUPS] + \
+       [(name, True) for name in GROUPS if name in MMA_SYNC_GROUPS | BOTH_BUILDS]
 
 
 def test_every_gpu_check_is_run():
@@ -52,10 +57,10 @@ def test_every_gpu_check_is_run():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", GROUPS)
-def test_gpu_checks(name, request, tmp_path):
+@pytest.mark.parametrize("name,mma_sync", RUNS, ids=[n + ("-mma.sync" if m else "") for n, m in RUNS])
+def test_gpu_checks(name, mma_sync, request, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if name in MMA_SYNC_GROUPS:
+    if mma_sync:
         env.update(DISABLE_MMA_V3="1", TRITON_CACHE_DIR=str(tmp_path / "triton-cache-mma-sync"))
     # --noconftest: tests/conftest.py sets TRITON_INTERPRET=1 for this suite, and gpu_checks.py needs compiled kernels
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--noconftest",

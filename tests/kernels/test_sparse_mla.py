@@ -170,8 +170,9 @@ def test_kernel_fresh_random_shapes(seed):
     if r.random() < 0.3:
         config = None
     else:
-        bh, bn, nw, ns, dv, post, _ = r.choice(tiles)
-        config = M.SparseMLAConfig(bh, bn, r.randint(1, 6), nw, ns, r.choice([1, dv, 2]), r.choice([post, True]))
+        bh, bn, nw, ns, dv, post, _, prefetch = r.choice(tiles)
+        config = M.SparseMLAConfig(bh, bn, r.randint(1, 6), nw, ns, r.choice([1, dv, 2]), r.choice([post, True]),
+                                   fp8_prefetch=r.choice([prefetch, True]))
     case.what += f" config={config}"
     check_case(case, r.choice([torch.float32, torch.bfloat16]), config=config)
 
@@ -180,7 +181,8 @@ def test_kernel_fresh_random_shapes(seed):
 @pytest.mark.parametrize("native", [True, False], ids=["cvt-e4m3", "bit-trick-sm80"])
 def test_fp8_both_conversion_paths(native, post):
     case = C.mla_case(21, "fp8_ds_mla", H=4, topk=40, T=2, block_size=16, num_blocks=4, kv_scale=7.0)
-    check_case(case, _fp8_native=native, config=M.SparseMLAConfig(16, 16, 2, 4, 2, 1, post))
+    for prefetch in (False, True):  # the next block's raw tiles loaded one iteration ahead, or not
+        check_case(case, _fp8_native=native, config=M.SparseMLAConfig(16, 16, 2, 4, 2, 1, post, fp8_prefetch=prefetch))
 
 
 def test_fp8_subnormals_and_signs_decode_exactly():
@@ -358,6 +360,7 @@ def test_config_strings_round_trip():
                 c = M.SparseMLAConfig.from_tile(tile, 7)
                 assert M.SparseMLAConfig.from_string(str(c)) == c
     assert str(M.SparseMLAConfig(64, 64, 1, 8, 3, 2, True)) == "h64n64s1w8p3d2f"
+    assert M.SparseMLAConfig.from_string("h16n64s1w8p2r") == M.SparseMLAConfig(16, 64, 1, 8, 2, fp8_prefetch=True)
     with pytest.raises(ValueError):
         M.SparseMLAConfig.from_string("h64n64s1w8")
 
@@ -416,7 +419,8 @@ def test_request_local_indices_equal_converted_slot_ids(fmt):
     assert (slots >= num_blocks * block_size).any()  # the past-the-end block is hit
     # inline conversion (16 heads) and the separate conversion launch of the 64-head tiles
     assert 16 <= M.INLINE_PAGED_MAX_BLOCK_H < 64
-    for cfg in (M.SparseMLAConfig(16, 16, 3, 4, 2), M.SparseMLAConfig(64, 16, 2, 4, 2)):
+    for cfg in (M.SparseMLAConfig(16, 16, 3, 4, 2), M.SparseMLAConfig(64, 16, 2, 4, 2),
+                M.SparseMLAConfig(16, 16, 3, 4, 2, fp8_prefetch=True)):
         want_o, want_l = C.poisoned_mla_outputs(T, H, torch.float32)
         M.sparse_mla_attention(q, cache, slots, 0.1, fmt, out=want_o, lse=want_l, config=cfg)
         got_o, got_l = C.poisoned_mla_outputs(T, H, torch.float32)

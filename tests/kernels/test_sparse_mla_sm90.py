@@ -85,8 +85,10 @@ def test_gluon_config_strings_and_tiles():
     assert M.SparseMLAConfig.from_tile(c.tile, 5) == M.SparseMLAConfig(64, 64, 5, 8, 2, gluon=True)
     # six-field tuples (no gluon flag) still read as Triton tiles
     assert M.SparseMLAConfig.from_tile((64, 64, 8, 3, 1, False), 2) == M.SparseMLAConfig(64, 64, 2, 8, 3)
-    assert (64, 64, 8, 2, 1, False, True) in M.candidate_tiles((9, 0), "bf16")
-    assert (64, 64, 8, 2, 1, False, True) in M.candidate_tiles((9, 0), "fp8_ds_mla")
+    # six- and seven-field tuples (no prefetch flag) read with fp8_prefetch off
+    assert M.SparseMLAConfig.from_tile((16, 64, 8, 2, 1, False, False), 1) == M.SparseMLAConfig(16, 64, 1, 8, 2)
+    assert (64, 64, 8, 2, 1, False, True, False) in M.candidate_tiles((9, 0), "bf16")
+    assert (64, 64, 8, 2, 1, False, True, False) in M.candidate_tiles((9, 0), "fp8_ds_mla")
     for cap in [(8, 0), (8, 9), (12, 0), (10, 0)]:
         for fmt in M.KV_FORMATS:
             assert not any(t[6] for t in M.candidate_tiles(cap, fmt)), (cap, fmt)

@@ -37,7 +37,7 @@ def extra_tiles(capability, fmt) -> list:
 # at most 1% of its instructions): (format, tile) -> bytes per direction. bf16 h32n32w4p2, the sm_80 / sm_86-89-120
 # 64-head pick since stop 45: 16-28 B, most of it outside the loop (0-9 LDL/STL among its 920-1090 instructions),
 # 2.4x faster than the spill-free h64n16w8p2 on the mma.sync build (bench/RESULTS.md, stop 45).
-SPILL_OUTSIDE_LOOP_OK = {("bf16", (32, 32, 4, 2, 1, 0)): 32}
+SPILL_OUTSIDE_LOOP_OK = {("bf16", (32, 32, 4, 2, 1, 0, 0)): 32}
 
 
 def loop_spills(c) -> tuple[int, int] | None:
@@ -64,7 +64,7 @@ def _worker(cc: int) -> None:
     assert type(M._sparse_mla_fwd_kernel).__name__ == "JITFunction"
     capability = TARGETS[cc]
     for fmt in M.KV_FORMATS:
-        for (bh, bn, nw, ns, dv, post, gluon) in M.candidate_tiles(capability, fmt) + extra_tiles(capability, fmt):
+        for (bh, bn, nw, ns, dv, post, gluon, pf) in M.candidate_tiles(capability, fmt) + extra_tiles(capability, fmt):
             if gluon:
                 continue  # the sm_90 Gluon kernel: tests/kernels/test_sparse_mla_sm90.py cross-compiles it
             # request-local indices are converted inline (PAGED) only by tiles of up to INLINE_PAGED_MAX_BLOCK_H heads
@@ -72,11 +72,12 @@ def _worker(cc: int) -> None:
             for split, paged in ((split, paged) for split in (False, True) for paged in inline):
                 consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=capability >= (8, 9), SPLIT=split,
                               DOT_F32=False, BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=dv,
-                              FP8_POST=post and fmt == "fp8_ds_mla", PAGED=paged)
+                              FP8_POST=post and fmt == "fp8_ds_mla", PAGED=paged,
+                              PREFETCH=pf and fmt == "fp8_ds_mla")
                 c = cross_compile(M._sparse_mla_fwd_kernel,
                                   signature(M._sparse_mla_fwd_kernel, fwd_pointer_types(fmt, split), FLOATS),
                                   consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
-                tile = (bh, bn, nw, ns, dv, int(post))
+                tile = (bh, bn, nw, ns, dv, int(post), int(pf))
                 allowed = SPILL_OUTSIDE_LOOP_OK.get((fmt, tile), 0)
                 # a listed tile that spills: its byte allowance and its main loop's (LDL/STL, all) instructions
                 spill = dict(spill_ok=allowed, loop=loop_spills(c)) if allowed and c.spills else {}
