@@ -666,9 +666,9 @@ _THROUGHPUT_TUNING: dict[tuple[str, str, int], SparseMLATuning] = {
     ("sm8x", "fp8_ds_mla", 32): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
     ("sm8x", "fp8_ds_mla", 64): _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
 }
-# sm_10x (B200/GB200; tcgen05 instead of wgmma): the sm80 tiles, except the bf16 64-head one: 64-head tiles
-# with DV_SPLIT=1 lower to a lone `trap` for sm_100 (tests/kernels/test_sparse_mla_xcompile.py checks every target).
-# Untuned: no sm_10x hardware here.
+# sm_10x (B200/GB200; tcgen05 instead of wgmma): the sm80 tiles, except the 64-head ones (bf16 and fp8_ds_mla):
+# 64-head tiles with DV_SPLIT=1 lower to a lone `trap` for sm_100 (tests/kernels/test_sparse_mla_xcompile.py checks
+# every target). Untuned: no sm_10x hardware here.
 for _table in (_LATENCY_TUNING, _THROUGHPUT_TUNING):
     _table.update({("sm100", *key[1:]): entry for key, entry in list(_table.items()) if key[0] == "sm80"})
 _THROUGHPUT_TUNING[("sm100", "bf16", 64)] = _tuning(block_h=32, block_n=32, num_warps=8, num_stages=2)
