@@ -106,7 +106,9 @@ def describe(cfg) -> str:
         parts.append("value dim split: 2 programs x 256 cols")
     if cfg.fp8_post_scale:
         parts.append("fp8 scales after the dots")
-    if cfg.fp8_prefetch:
+    if cfg.fp8_prefetch == 2:
+        parts.append("next block's fp8 tiles gathered and decoded one iteration ahead")
+    elif cfg.fp8_prefetch:
         parts.append("next block's raw fp8 prefetched into registers")
     if cfg.ws:
         parts.append("warp-specialised Gluon sm_90 kernel (a producer warpgroup and 2 math warpgroups)")
@@ -161,7 +163,8 @@ MMA_SYNC_LEADS = {
 
 def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLAConfig"]]:
     """(tag, config): each mma.sync family's pick ("sm80 pick", "sm89 pick"), and for fp8_ds_mla its twin
-    with the other fp8_post_scale ("sm80 alt") and with the raw-tile prefetch ("sm80 prefetch"); then MMA_SYNC_LEADS
+    with the other fp8_post_scale ("sm80 alt"), with the raw-tile prefetch ("sm80 prefetch") and with the tiles decoded
+    one iteration ahead ("sm80 ahead"); then MMA_SYNC_LEADS
     for this format and head count, each split by the heuristic's rule for its own tile ("sm8x lead"); a config timed
     under one tag is not timed again under another."""
     out, seen = [], set()
@@ -171,7 +174,8 @@ def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLA
         pairs = [(f"{fam} pick", c)]
         if fmt == "fp8_ds_mla":
             pairs.append((f"{fam} alt", replace(c, fp8_post_scale=not c.fp8_post_scale)))
-            pairs.append((f"{fam} prefetch", replace(c, fp8_prefetch=True)))
+            pairs.append((f"{fam} prefetch", replace(c, fp8_prefetch=1)))
+            pairs.append((f"{fam} ahead", replace(c, fp8_prefetch=2)))
         if cap == MMA_SYNC_CAPABILITIES[-1]:
             leads = [SM.SparseMLAConfig.from_string(tile) for _, tile in MMA_SYNC_LEADS.get((fmt, H), ())]
             pairs += [(tag, replace(lead, num_splits=SM.split_count(T, H, topk, lead, 1, sm_count)))

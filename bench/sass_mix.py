@@ -114,7 +114,7 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048, tile: 
     consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=cc >= 89, SPLIT=split, DOT_F32=False,
                   BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_SPLIT=cfg.dv_split,
                   FP8_POST=bool(cfg.fp8_post_scale) and fmt == "fp8_ds_mla", PAGED=False,
-                  PREFETCH=cfg.fp8_prefetch and fmt == "fp8_ds_mla")
+                  PREFETCH=int(cfg.fp8_prefetch) if fmt == "fp8_ds_mla" else 0)
     sig = signature(M._sparse_mla_fwd_kernel, fwd_pointer_types(fmt, split), FLOATS)
     c = cross_compile(M._sparse_mla_fwd_kernel, sig, consts, cc, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       divisible_by_16=DIVISIBLE)

@@ -125,21 +125,38 @@ def _load_nope_raw(kv_ptr, row, valid, col, IS_FP8: tl.constexpr, DOT_DTYPE: tl.
 
 
 @triton.jit
-def _decode_nope(raw, scale, FP8_NATIVE: tl.constexpr, FP8_POST: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _decode_nope(raw, scale, FP8_NATIVE: tl.constexpr, FP8_POST: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 BITS_ASM: tl.constexpr = False):
     """Raw e4m3 bytes and tile scale (_load_nope_raw) -> (tile in DOT_DTYPE, scale), as _load_nope_tile says."""
     if FP8_NATIVE:
         x = raw.to(tl.float8e4nv, bitcast=True)
     else:
         # sm_80/86 have no e4m3 conversion: place sign/exponent/mantissa into an fp16 bit pattern
         # (exponent bias 15 instead of 7, subnormals included) and fold the 2^8 into the scale.
-        r16 = raw.to(tl.uint16)
-        bits = ((r16 & 0x80) << 8) | ((r16 & 0x7F) << 7)
-        x = bits.to(tl.float16, bitcast=True)
+        if BITS_ASM:
+            x = _e4m3_as_f16_bits(raw)
+        else:
+            r16 = raw.to(tl.uint16)
+            bits = ((r16 & 0x80) << 8) | ((r16 & 0x7F) << 7)
+            x = bits.to(tl.float16, bitcast=True)
         scale = scale * 256.0
     if FP8_POST:
         return x.to(DOT_DTYPE), scale
     else:
         return (x.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), scale
+
+
+@triton.jit
+def _e4m3_as_f16_bits(raw):
+    """e4m3 bytes -> float16 values 2^-8 times theirs (sign to bit 15, the other 7 bits to bits 7-13: exact,
+    subnormals included), 4 bytes per PTX block: each prmt spreads two bytes into 16-bit lanes with the byte's sign
+    replicated above it (0xSSbb), the shift by 7 puts the byte's low 7 bits and one sign copy in place, the mask drops
+    the rest. What the Triton expression of _decode_nope costs per pair of values in unpack/repack PRMTs, this does in
+    three instructions."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a, b; prmt.b32 a, $2, 0, 0x9180; prmt.b32 b, $2, 0, 0xB3A2; shl.b32 a, a, 7; "
+        "shl.b32 b, b, 7; and.b32 $0, a, 0xBF80BF80; and.b32 $1, b, 0xBF80BF80; }",
+        "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -226,6 +243,18 @@ def _gather_raw(kv_ptr, idx_row, bt_row, n0, end, num_slots, num_blocks, block_s
 
 
 @triton.jit
+def _decode_block(g, FP8_NATIVE: tl.constexpr, FP8_POST: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  BITS_ASM: tl.constexpr):
+    """_gather_raw's tuple with its four raw tiles decoded (_decode_nope)."""
+    valid, row, rA, sA, rB, sB, rC, sC, rD, sD = g
+    kA, sA = _decode_nope(rA, sA, FP8_NATIVE, FP8_POST, DOT_DTYPE, BITS_ASM)
+    kB, sB = _decode_nope(rB, sB, FP8_NATIVE, FP8_POST, DOT_DTYPE, BITS_ASM)
+    kC, sC = _decode_nope(rC, sC, FP8_NATIVE, FP8_POST, DOT_DTYPE, BITS_ASM)
+    kD, sD = _decode_nope(rD, sD, FP8_NATIVE, FP8_POST, DOT_DTYPE, BITS_ASM)
+    return valid, row, kA, sA, kB, sB, kC, sC, kD, sD
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, qr_ptr,               # nope queries [T, H, 512..]; rope queries at qr_ptr + rope_off (q itself or q_pe)
     kv_ptr, idx_ptr,
@@ -241,7 +270,7 @@ def _sparse_mla_fwd_kernel(
     IS_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV_SPLIT: tl.constexpr = 1, FP8_POST: tl.constexpr = False,
     PAGED: tl.constexpr = False, SKIP_TAIL: tl.constexpr = True, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     pdl_enter(PDL)  # launched with PDL: nothing is read before the previous kernel is done (pdl.py)
     # program -> (token, split, value half, head group), head group fastest: programs that share a
@@ -268,6 +297,10 @@ def _sparse_mla_fwd_kernel(
     cC = 256 - c0
     cD = 384 - c0
     POST: tl.constexpr = IS_FP8 and FP8_POST
+    # PREFETCH (fp8_ds_mla): 1 carries the next block's raw tiles across iterations, 2 its decoded tiles (and, on
+    # sm_80/86, decodes with _e4m3_as_f16_bits: a PTX block the interpreter cannot run, so it keeps the Triton form)
+    AHEAD: tl.constexpr = PREFETCH == 2
+    BITS_ASM: tl.constexpr = AHEAD and not DOT_F32
 
     DOT_DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
 
@@ -320,8 +353,18 @@ def _sparse_mla_fwd_kernel(
     if PREFETCH:
         nxt = _gather_raw(kv_ptr, idx_row, bt_row, start, end, num_slots, num_blocks, block_size, max_blocks,
                           stride_kvb, stride_kvt, cA, cB, cC, cD, BLOCK_N, PAGED, IS_FP8, DOT_DTYPE)
+        if AHEAD:
+            nxt = _decode_block(nxt, FP8_NATIVE, FP8_POST, DOT_DTYPE, BITS_ASM)
     for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:
+        if AHEAD:
+            # fp8: this block's tiles were loaded and decoded by the previous iteration; the next block's gathers
+            # are issued here and decoded after this block's math, so they land meanwhile, and the decode (no
+            # longer waiting on them) is free to issue between the dots. The dots read 16-bit loop-carried tiles.
+            valid, row, kA, sA, kB, sB, kC, sC, kD, sD = nxt
+            raw_next = _gather_raw(kv_ptr, idx_row, bt_row, n0 + BLOCK_N, end, num_slots, num_blocks, block_size,
+                                   max_blocks, stride_kvb, stride_kvt, cA, cB, cC, cD, BLOCK_N, PAGED, IS_FP8,
+                                   DOT_DTYPE)
+        elif PREFETCH:
             # fp8: this block's raw tiles were loaded by the previous iteration; load the next block's now, so
             # the gathers overlap this block's math. Decoding a loop-carried value also keeps Triton from seeing
             # the 8-bit load behind the dot operands (it would pick kWidth 4 and byte-wise shared loads).
@@ -359,6 +402,8 @@ def _sparse_mla_fwd_kernel(
             accC = _pv_tile(accC, alpha, p, kC, sC, POST, DOT_DTYPE)
             accD = _pv_tile(accD, alpha, p, kD, sD, POST, DOT_DTYPE)
         m_i = m_new
+        if AHEAD:
+            nxt = _decode_block(raw_next, FP8_NATIVE, FP8_POST, DOT_DTYPE, BITS_ASM)
 
     has = l_i > 0.0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -504,11 +549,16 @@ class SparseMLAConfig:
         gather buffers. 4 warps (``ws``): the warp-specialised tile (block_n 64, num_stages 2: its two key buffers; 4
         warps gather, or dequantise fp8_ds_mla, and two more warpgroups of 4 compute; its top-k splits are whole pairs
         of blocks).
-    fp8_prefetch: fp8_ds_mla only, Triton tiles: each iteration loads the next block's raw e4m3 tiles into registers
-        while it computes this block (a software pipeline of the gathers Triton does not build for a decoded load;
-        it also lets Triton feed the dots from 16-bit shared memory via ldmatrix instead of byte-wise loads).
-    String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f][g][r],
-        e.g. 'h64n64s1w8p3d2' (dv_split=2), 'h16n32s8w4p2f' (fp8_post_scale) or 'h64n64s1w8p2g' (gluon).
+    fp8_prefetch: fp8_ds_mla only, Triton tiles: 1 = each iteration loads the next block's raw e4m3 tiles into
+        registers while it computes this block (a software pipeline of the gathers Triton does not build for a decoded
+        load; it also lets Triton feed the dots from 16-bit shared memory via ldmatrix instead of byte-wise loads);
+        2 = the same gathers, decoded at the end of the iteration, so the loop carries the decoded 16-bit tiles
+        instead of one register per raw byte (and sm_80/86 decode with a 3-instruction PTX block per 2 values).
+        True reads as 1. The same arithmetic either way (bit for bit under the interpreter): only the schedule
+        differs.
+    String form (benchmarks, tests): h<block_h>n<block_n>s<splits>w<warps>p<stages>[d2][f][g][r|a],
+        e.g. 'h64n64s1w8p3d2' (dv_split=2), 'h16n32s8w4p2f' (fp8_post_scale), 'h64n64s1w8p2g' (gluon),
+        'h32n32s1w8p2r' (fp8_prefetch=1) or 'h32n32s1w8p2a' (fp8_prefetch=2: decoded ahead).
     Tuple form (``tile``, :func:`candidate_tiles`): everything but num_splits, in field order.
     """
 
@@ -520,7 +570,12 @@ class SparseMLAConfig:
     dv_split: int = 1
     fp8_post_scale: bool = False
     gluon: bool = False
-    fp8_prefetch: bool = False
+    fp8_prefetch: int = 0
+
+    def __post_init__(self):
+        if self.fp8_prefetch not in (0, 1, 2):
+            raise ValueError(f"SparseMLAConfig: fp8_prefetch must be 0, 1 (raw tiles) or 2 (decoded tiles), got "
+                             f"{self.fp8_prefetch!r}")
 
     @property
     def ws(self) -> bool:
@@ -543,18 +598,18 @@ class SparseMLAConfig:
         return (f"h{self.block_h}n{self.block_n}s{self.num_splits}"
                 f"w{self.num_warps}p{self.num_stages}"
                 f"{'d%d' % self.dv_split if self.dv_split != 1 else ''}{'f' if self.fp8_post_scale else ''}"
-                f"{'g' if self.gluon else ''}{'r' if self.fp8_prefetch else ''}")
+                f"{'g' if self.gluon else ''}{('', 'r', 'a')[self.fp8_prefetch]}")
 
     @classmethod
     def from_string(cls, s: str) -> "SparseMLAConfig":
         import re
 
-        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)(?:d(\d+))?(f)?(g)?(r)?", s.strip())
+        m = re.fullmatch(r"h(\d+)n(\d+)s(\d+)w(\d+)p(\d+)(?:d(\d+))?(f)?(g)?([ra])?", s.strip())
         if not m:
             raise ValueError(f"bad sparse-MLA config {s!r}: expected e.g. 'h16n32s8w4p2' "
-                             "(block_h, block_n, num_splits, num_warps, num_stages, optional d2, f, g and r)")
+                             "(block_h, block_n, num_splits, num_warps, num_stages, optional d2, f, g and r or a)")
         g = m.groups()
-        return cls(*(int(x) for x in g[:5]), int(g[5] or 1), g[6] == "f", g[7] == "g", g[8] == "r")
+        return cls(*(int(x) for x in g[:5]), int(g[5] or 1), g[6] == "f", g[7] == "g", "-ra".find(g[8] or "-"))
 
     @classmethod
     def from_tile(cls, tile: "tuple | SparseMLAConfig", num_splits: int = 1) -> "SparseMLAConfig":
@@ -562,8 +617,8 @@ class SparseMLAConfig:
         if isinstance(tile, SparseMLAConfig):
             return replace(tile, num_splits=num_splits)
         bh, bn, nw, ns, dv, post, *rest = tile
-        gluon, prefetch = (list(rest) + [False, False])[:2]
-        return cls(bh, bn, num_splits, nw, ns, dv, post, bool(gluon), bool(prefetch))
+        gluon, prefetch = (list(rest) + [False, 0])[:2]
+        return cls(bh, bn, num_splits, nw, ns, dv, post, bool(gluon), int(prefetch))
 
 
 @dataclass(frozen=True)
@@ -754,7 +809,11 @@ FOCUS_CONFIGS: dict[str, tuple[SparseMLAConfig, ...]] = {
                    SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, fp8_prefetch=True),
                    SparseMLAConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_prefetch=True),
                    SparseMLAConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
-                   SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True)),
+                   SparseMLAConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, fp8_prefetch=True),
+                   # the same two 16-head tiles decoding the next block's tiles one iteration ahead (fp8_prefetch 2;
+                   # their mma.sync loops, cross-compiled for sm_90: 1227 -> 946 and 1199 -> 914 instructions)
+                   SparseMLAConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, fp8_prefetch=2),
+                   SparseMLAConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, fp8_prefetch=2)),
 }
 # The same in tuple form (the benchmark and the kernel tests concatenate it with candidate_tiles()).
 FOCUS_TILES: dict[str, list[tuple]] = {fmt: [c.tile for c in cs] for fmt, cs in FOCUS_CONFIGS.items()}
@@ -1251,7 +1310,7 @@ class _Plan:
             SKIP_TAIL=SKIP_TAIL and split_len >= SKIP_TAIL_MIN_BLOCKS * bn,
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
         if config.fp8_prefetch and kv_format == "fp8_ds_mla" and not config.gluon:
-            self.fwd_kw.update(PREFETCH=True)
+            self.fwd_kw.update(PREFETCH=int(config.fp8_prefetch))
         if config.gluon:  # its gather buffers are num_stages; Triton does not software-pipeline Gluon code
             self.fwd_kw.update(NUM_BUF=config.num_stages, P_SWIZZLE=min(128, 2 * bn), num_stages=1)
         if self.split:

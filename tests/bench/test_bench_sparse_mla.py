@@ -53,6 +53,8 @@ def test_mma_sync_tiles_are_each_familys_own_pick_and_the_fp8_twin():
         twin = SM.SparseMLAConfig.from_tile(mine.tile, mine.num_splits)
         twin = type(twin)(**{**twin.__dict__, "fp8_post_scale": not mine.fp8_post_scale})
         assert twin in picks.values()
+        ahead = SM.SparseMLAConfig.from_tile(mine.tile[:7] + (2,), mine.num_splits)  # decoded one iteration ahead
+        assert ahead in picks.values() and ahead.fp8_prefetch == 2
     assert len(set(picks.values())) == len(tagged)          # nothing timed twice
     assert all(not c.fp8_post_scale for t, c in B.mma_tile_configs("bf16", 128, 64, 2048, 132))
 

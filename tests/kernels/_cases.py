@@ -175,6 +175,27 @@ def mla_case(seed: int, fmt: str, H: int, topk: int, T: int, block_size: int, *,
     return MlaCase(q, cache, idx, scale, fmt, what)
 
 
+def every_e4m3_code_case() -> tuple[MlaCase, torch.Tensor]:
+    """Every one of the 256 e4m3 byte values but the two NaNs, both signs and the subnormals, in the nope columns of 4
+    one-hot rows (token t attends only to slot t), with tile scales of at most 2 significant bits: the output equals
+    the dequantised row itself, exactly in float32 (and in bf16 operands: 4-bit mantissas times 2-bit scales).
+    Returns (case, the expected [4, 512] float64 rows)."""
+    from tests.kernels._refs import mla_slots
+
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # drop the two NaN encodings
+    n = 4
+    rows = torch.zeros(n, 656, dtype=torch.uint8)
+    vals = codes.repeat(-(-512 * n // codes.numel()))[: 512 * n]
+    rows[:, :512] = vals.view(n, 512)
+    rows[:, 512:528] = torch.tensor([1.0, 0.5, 2.0 ** -3, 3.0]).view(torch.uint8).repeat(n, 1)
+    rows[:, 528:] = torch.randn(n, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).view(torch.uint8)
+    cache = rows.view(n, 1, 656)
+    idx = torch.arange(n, dtype=torch.int32).view(n, 1)
+    q = torch.randn(n, 1, 576, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    return MlaCase(q, cache, idx, 0.1, "fp8_ds_mla", "one-hot"), mla_slots(cache, "fp8_ds_mla")[:, :512]
+
+
 def poisoned_mla_outputs(T: int, H: int, dtype=torch.bfloat16, device="cpu"):
     return (torch.full((T, H, 512), float("nan"), dtype=dtype, device=device),
             torch.full((T, H), float("nan"), dtype=torch.float32, device=device))

@@ -123,20 +123,53 @@ def test_sparse_mla_every_mma_sync_tile(i):
     _check_tile(470 + i, *MMA_SYNC_TILES[i])
 
 
-# fp8_ds_mla tiles with the next block's raw tiles prefetched (fp8_prefetch): every non-Gluon fp8 table tile of every
-# family so built, and the benchmark's leads (bench_sparse_mla.MMA_SYNC_LEADS, FOCUS_CONFIGS)
-PREFETCH_TILES = sorted({t[:7] + (True,) for cap in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
-                         for t in SM.candidate_tiles(cap, "fp8_ds_mla") if not t[6]}
-                        | {SM.SparseMLAConfig.from_string(s).tile for s in (
-                            "h64n16s1w8p2r", "h32n16s1w4p2r", "h64n32s1w8p2r", "h16n32s1w4p2r", "h16n64s1w8p2r")})
+# fp8_ds_mla tiles with the next block's tiles prefetched (fp8_prefetch 1: raw, 2: decoded ahead): every non-Gluon fp8
+# table tile of every family so built, and the benchmark's leads (bench_sparse_mla.MMA_SYNC_LEADS, FOCUS_CONFIGS)
+PREFETCH_TILES = sorted({t[:7] + (mode,) for cap in ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0))
+                         for t in SM.candidate_tiles(cap, "fp8_ds_mla") if not t[6] for mode in (1, 2)}
+                        | {SM.SparseMLAConfig.from_string(s + mode).tile for s in (
+                            "h64n16s1w8p2", "h32n16s1w4p2", "h64n32s1w8p2", "h16n32s1w4p2", "h16n64s1w8p2")
+                           for mode in "ra"})
 
 
 @pytest.mark.parametrize("i", range(len(PREFETCH_TILES)),
                          ids=[str(SM.SparseMLAConfig.from_tile(t)) for t in PREFETCH_TILES])
 def test_sparse_mla_fp8_prefetch_tile(i):
-    """The fp8_ds_mla tiles that load the next block's raw tiles one iteration ahead, against the reference (with
-    DISABLE_MMA_V3=1 in test_gpu_kernels.py for the mma.sync code), unsplit and in 3 splits."""
+    """The fp8_ds_mla tiles that load the next block's tiles one iteration ahead (raw, or decoded: on the bit path of
+    sm_80/86 that is the PTX decoder, test_sparse_mla_fp8_bit_path_on_gpu), against the reference (with
+    DISABLE_MMA_V3=1 in test_gpu_kernels.py for the mma.sync code), unsplit and in 3 splits; then as the backend
+    calls them (request-local positions through a block table), bit for bit the slot-id result."""
     _check_tile(520 + i, "fp8_ds_mla", PREFETCH_TILES[i])
+    _check_request_local(560 + i, "fp8_ds_mla", PREFETCH_TILES[i])
+
+
+def _check_request_local(seed: int, fmt: str, tile: tuple) -> None:
+    """Request-local top-k positions (3 requests, a shuffled block table with an unallocated entry, invalid and
+    out-of-range positions, the (q_nope, q_pe) pair) give exactly what the same rows as slot ids give, unsplit and
+    in 3 splits: the block-table walk of the kernel (inline, or the conversion launch of wide head blocks)."""
+    from overlay.triton_mla_sparse_ops import convert_req_index_to_global
+
+    g = torch.Generator().manual_seed(seed)
+    bs, nb, T, H, topk = 64, 24, 11, 70, 300
+    cache = C.mla_cache(g, nb, bs, fmt).cuda()
+    table = torch.randperm(nb, generator=g)[:21].view(3, 7).to(torch.int32)
+    table[1, 6] = -1
+    req = torch.randint(0, 3, (T,), generator=g, dtype=torch.int32)
+    local = torch.randint(-2, 7 * bs + 20, (T, topk), generator=g, dtype=torch.int32)
+    local[3] = -1  # a token with no position at all
+    q = (torch.randn(T, H, 576, generator=g) * 0.7).to(torch.bfloat16).cuda()
+    table, req, local = table.cuda(), req.cuda(), local.cuda()
+    slots = convert_req_index_to_global(req, table, local, bs)
+    for splits in (1, 3):
+        config = SM.SparseMLAConfig.from_tile(tile, splits)
+        want_o, want_l = C.poisoned_mla_outputs(T, H, torch.bfloat16, "cuda")
+        SM.sparse_mla_attention(q, cache, slots, 0.05, fmt, out=want_o, lse=want_l, config=config)
+        got_o, got_l = C.poisoned_mla_outputs(T, H, torch.bfloat16, "cuda")
+        SM.sparse_mla_attention((q[..., :512], q[..., 512:]), cache, local, 0.05, fmt, out=got_o, lse=got_l,
+                                config=config, block_table=table, req_id=req)
+        torch.cuda.synchronize()
+        assert not torch.isnan(want_o).any() and torch.isinf(want_l[3]).all(), config
+        assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l), f"{fmt} {config}: request-local differs"
 
 
 GLUON_TILES = [(f, t) for f in SM.KV_FORMATS for t in dict.fromkeys(SM.candidate_tiles((9, 0), f) + SM.FOCUS_TILES[f])
@@ -163,11 +196,28 @@ def test_sparse_mla_gluon_long_lists(fmt, tile):
 
 @pytest.mark.parametrize("post", [False, True], ids=["scale-tile", "scale-after-dot"])
 def test_sparse_mla_fp8_bit_path_on_gpu(post):
-    """The sm_80/86 e4m3 decoder (no native conversion) and the scale-after-dot variant, compiled."""
+    """The sm_80/86 e4m3 decoders (no native conversion; the Triton form and the PTX block of decoded-ahead tiles)
+    and the scale-after-dot variant, compiled."""
     case = C.mla_case(430, "fp8_ds_mla", 64, 1024, 3, 64, num_blocks=20, kv_scale=5.0)
-    out, lse = _run_mla(case.to("cuda"), _fp8_native=False,
-                        config=SM.SparseMLAConfig(16, 32, 4, 4, 2, 1, post))
-    C.check_mla(out, lse, case.ref(), C.MLA_GPU_FP8, case.what)
+    for prefetch in (0, 2):  # 2: decoded ahead, with the PTX decoder
+        out, lse = _run_mla(case.to("cuda"), _fp8_native=False,
+                            config=SM.SparseMLAConfig(16, 32, 4, 4, 2, 1, post, fp8_prefetch=prefetch))
+        C.check_mla(out, lse, case.ref(), C.MLA_GPU_FP8, f"{case.what} prefetch={prefetch}")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cvt-e4m3", "bit-path"])
+def test_every_e4m3_code_decodes_exactly_on_gpu(native):
+    """All 254 non-NaN e4m3 codes (signs and subnormals) through each compiled decoder: the native conversion, the
+    Triton bit path, and the PTX block of decoded-ahead tiles on the bit path (sm_80/86, _e4m3_as_f16_bits), exact;
+    unprefetched, raw tiles carried, decoded tiles carried."""
+    case, expect = C.every_e4m3_code_case()
+    case = case.to("cuda")
+    for prefetch in (0, 1, 2):
+        out, lse = C.poisoned_mla_outputs(4, 1, torch.float32, "cuda")
+        SM.sparse_mla_attention(case.q, case.cache, case.idx, case.scale, case.fmt, out=out, lse=lse,
+                                config=SM.SparseMLAConfig(16, 16, 1, 4, 2, fp8_prefetch=prefetch), _fp8_native=native)
+        torch.cuda.synchronize()
+        assert torch.equal(out[:, 0].double().cpu(), expect), (native, prefetch)
 
 
 def _heaviest_valid_position(case: C.MlaCase, t: int) -> int:

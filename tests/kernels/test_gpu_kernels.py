@@ -38,13 +38,15 @@ GROUPS = [
     "test_pdl_launches_compute_what_ordinary_ones_do",
     "test_fp8_prefill_workspace_on_gpu",
     "test_sparse_mla_fp8_prefetch_tile",
+    "test_every_e4m3_code_decodes_exactly_on_gpu",
 ]
 
 
 # Groups built as for sm_80-sm_120 (mma.sync instead of wgmma on an sm_90 card), in their own Triton cache; those of
 # BOTH_BUILDS run once each way.
 MMA_SYNC_GROUPS = {"test_sparse_mla_every_mma_sync_tile"}
-BOTH_BUILDS = {"test_sparse_mla_fp8_prefetch_tile"}
+BOTH_BUILDS = {"test_sparse_mla_fp8_prefetch_tile", "test_every_e4m3_code_decodes_exactly_on_gpu",
+               "test_sparse_mla_fp8_bit_path_on_gpu"}
 RUNS = [(name, False) for name in GROUPS if name not in MMA_SYNC_GROUPS] + \
        [(name, True) for name in GROUPS if name in MMA_SYNC_GROUPS | BOTH_BUILDS]
 

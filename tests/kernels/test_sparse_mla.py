@@ -172,7 +172,7 @@ def test_kernel_fresh_random_shapes(seed):
     else:
         bh, bn, nw, ns, dv, post, _, prefetch = r.choice(tiles)
         config = M.SparseMLAConfig(bh, bn, r.randint(1, 6), nw, ns, r.choice([1, dv, 2]), r.choice([post, True]),
-                                   fp8_prefetch=r.choice([prefetch, True]))
+                                   fp8_prefetch=r.choice([prefetch, 1, 2]))
     case.what += f" config={config}"
     check_case(case, r.choice([torch.float32, torch.bfloat16]), config=config)
 
@@ -181,29 +181,25 @@ def test_kernel_fresh_random_shapes(seed):
 @pytest.mark.parametrize("native", [True, False], ids=["cvt-e4m3", "bit-trick-sm80"])
 def test_fp8_both_conversion_paths(native, post):
     case = C.mla_case(21, "fp8_ds_mla", H=4, topk=40, T=2, block_size=16, num_blocks=4, kv_scale=7.0)
-    for prefetch in (False, True):  # the next block's raw tiles loaded one iteration ahead, or not
-        check_case(case, _fp8_native=native, config=M.SparseMLAConfig(16, 16, 2, 4, 2, 1, post, fp8_prefetch=prefetch))
+    outs = []
+    for prefetch in (0, 1, 2):  # no prefetch, the next block's raw tiles carried, or its decoded tiles carried
+        config = M.SparseMLAConfig(16, 16, 2, 4, 2, 1, post, fp8_prefetch=prefetch)
+        check_case(case, _fp8_native=native, config=config)
+        outs.append(run_poisoned(case, torch.float32, _fp8_native=native, config=config))
+    for o, l in outs[1:]:  # only the schedule differs: the interpreter's results are the same bits
+        assert torch.equal(o, outs[0][0]) and torch.equal(l, outs[0][1])
 
 
 def test_fp8_subnormals_and_signs_decode_exactly():
     """Every one of the 256 e4m3 byte values (except NaN) decodes right in both conversion paths:
     one-hot rows make the output equal to the dequantised row itself (exact in float32: 4-bit
     mantissas times scales of at most 2 significant bits)."""
-    codes = torch.arange(256, dtype=torch.int32)
-    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # drop the two NaN encodings
-    n = 4
-    rows = torch.zeros(n, 656, dtype=torch.uint8)
-    vals = codes.repeat(-(-512 * n // codes.numel()))[: 512 * n]
-    rows[:, :512] = vals.view(n, 512)
-    rows[:, 512:528] = torch.tensor([1.0, 0.5, 2.0 ** -3, 3.0]).view(torch.uint8).repeat(n, 1)
-    rows[:, 528:] = torch.randn(n, 64).to(torch.bfloat16).view(torch.uint8)
-    cache = rows.view(n, 1, 656)
-    idx = torch.arange(n, dtype=torch.int32).view(n, 1)  # token t attends only to slot t
-    case = C.MlaCase(torch.randn(n, 1, 576).to(torch.bfloat16), cache, idx, 0.1, "fp8_ds_mla", "one-hot")
-    expect = mla_slots(cache, "fp8_ds_mla")[:, :512]
+    case, expect = C.every_e4m3_code_case()
     for native in (True, False):
-        out, lse = run_poisoned(case, torch.float32, _fp8_native=native)
-        assert torch.equal(out[:, 0].double(), expect), native
+        for prefetch in (0, 2):
+            config = M.SparseMLAConfig(16, 16, 1, 4, 2, fp8_prefetch=prefetch)
+            out, lse = run_poisoned(case, torch.float32, _fp8_native=native, config=config)
+            assert torch.equal(out[:, 0].double(), expect), (native, prefetch)
 
 
 @pytest.mark.parametrize("fmt", M.KV_FORMATS)
@@ -361,8 +357,13 @@ def test_config_strings_round_trip():
                 assert M.SparseMLAConfig.from_string(str(c)) == c
     assert str(M.SparseMLAConfig(64, 64, 1, 8, 3, 2, True)) == "h64n64s1w8p3d2f"
     assert M.SparseMLAConfig.from_string("h16n64s1w8p2r") == M.SparseMLAConfig(16, 64, 1, 8, 2, fp8_prefetch=True)
-    with pytest.raises(ValueError):
-        M.SparseMLAConfig.from_string("h64n64s1w8")
+    assert M.SparseMLAConfig.from_string("h16n64s1w8p2a") == M.SparseMLAConfig(16, 64, 1, 8, 2, fp8_prefetch=2)
+    assert str(M.SparseMLAConfig.from_tile((32, 32, 8, 2, 1, False, False, 2), 3)) == "h32n32s3w8p2a"
+    for bad in ("h64n64s1w8", "h16n64s1w8p2ra", "h16n64s1w8p2b"):
+        with pytest.raises(ValueError):
+            M.SparseMLAConfig.from_string(bad)
+    with pytest.raises(ValueError, match="fp8_prefetch must be 0, 1"):
+        M.SparseMLAConfig(16, 16, 1, 4, 2, fp8_prefetch=3)
 
 
 @pytest.mark.parametrize("fmt", M.KV_FORMATS)
@@ -420,7 +421,8 @@ def test_request_local_indices_equal_converted_slot_ids(fmt):
     # inline conversion (16 heads) and the separate conversion launch of the 64-head tiles
     assert 16 <= M.INLINE_PAGED_MAX_BLOCK_H < 64
     for cfg in (M.SparseMLAConfig(16, 16, 3, 4, 2), M.SparseMLAConfig(64, 16, 2, 4, 2),
-                M.SparseMLAConfig(16, 16, 3, 4, 2, fp8_prefetch=True)):
+                M.SparseMLAConfig(16, 16, 3, 4, 2, fp8_prefetch=True), M.SparseMLAConfig(16, 16, 3, 4, 2, fp8_prefetch=2),
+                M.SparseMLAConfig(64, 16, 2, 4, 2, fp8_prefetch=2)):
         want_o, want_l = C.poisoned_mla_outputs(T, H, torch.float32)
         M.sparse_mla_attention(q, cache, slots, 0.1, fmt, out=want_o, lse=want_l, config=cfg)
         got_o, got_l = C.poisoned_mla_outputs(T, H, torch.float32)

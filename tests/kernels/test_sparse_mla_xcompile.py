@@ -73,7 +73,7 @@ def _worker(cc: int) -> None:
                 consts = dict(IS_FP8=fmt == "fp8_ds_mla", FP8_NATIVE=capability >= (8, 9), SPLIT=split,
                               DOT_F32=False, BLOCK_H=bh, BLOCK_N=bn, DV_SPLIT=dv,
                               FP8_POST=post and fmt == "fp8_ds_mla", PAGED=paged,
-                              PREFETCH=pf and fmt == "fp8_ds_mla")
+                              PREFETCH=int(pf) if fmt == "fp8_ds_mla" else 0)
                 c = cross_compile(M._sparse_mla_fwd_kernel,
                                   signature(M._sparse_mla_fwd_kernel, fwd_pointer_types(fmt, split), FLOATS),
                                   consts, cc, num_warps=nw, num_stages=ns, divisible_by_16=DIVISIBLE)
