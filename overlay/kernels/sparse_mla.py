@@ -368,13 +368,10 @@ def _sparse_mla_fwd_kernel(
             # fp8: this block's raw tiles were loaded by the previous iteration; load the next block's now, so
             # the gathers overlap this block's math. Decoding a loop-carried value also keeps Triton from seeing
             # the 8-bit load behind the dot operands (it would pick kWidth 4 and byte-wise shared loads).
-            valid, row, rA, sA, rB, sB, rC, sC, rD, sD = nxt
+            cur = nxt
             nxt = _gather_raw(kv_ptr, idx_row, bt_row, n0 + BLOCK_N, end, num_slots, num_blocks, block_size,
                               max_blocks, stride_kvb, stride_kvt, cA, cB, cC, cD, BLOCK_N, PAGED, IS_FP8, DOT_DTYPE)
-            kA, sA = _decode_nope(rA, sA, FP8_NATIVE, FP8_POST, DOT_DTYPE)
-            kB, sB = _decode_nope(rB, sB, FP8_NATIVE, FP8_POST, DOT_DTYPE)
-            kC, sC = _decode_nope(rC, sC, FP8_NATIVE, FP8_POST, DOT_DTYPE)
-            kD, sD = _decode_nope(rD, sD, FP8_NATIVE, FP8_POST, DOT_DTYPE)
+            valid, row, kA, sA, kB, sB, kC, sC, kD, sD = _decode_block(cur, FP8_NATIVE, FP8_POST, DOT_DTYPE, False)
         else:
             valid, row = _kv_rows(idx_row, bt_row, n0, end, num_slots, num_blocks, block_size, max_blocks,
                                   stride_kvb, stride_kvt, BLOCK_N, PAGED)
@@ -589,7 +586,7 @@ class SparseMLAConfig:
         return 2 * self.block_n if self.ws else self.block_n
 
     @property
-    def tile(self) -> tuple[int, int, int, int, int, bool, bool, bool]:
+    def tile(self) -> tuple[int, int, int, int, int, bool, bool, int]:
         """Everything but the split count (what one compile depends on), as a tuple."""
         return (self.block_h, self.block_n, self.num_warps, self.num_stages, self.dv_split,
                 self.fp8_post_scale, self.gluon, self.fp8_prefetch)
@@ -679,7 +676,7 @@ def _combine_bucket(num_splits: int) -> tuple[int, int]:
 # heads, 7381 against 19251 at T=4096) for 16-28 spilled bytes, nearly all outside the main loop (the xcompile test
 # bounds both).
 def _tuning(*, block_h: int, block_n: int, num_warps: int, num_stages: int,
-            programs_per_sm: int = 1, fp8_prefetch: bool = False) -> SparseMLATuning:
+            programs_per_sm: int = 1, fp8_prefetch: int = 0) -> SparseMLATuning:
     return SparseMLATuning(SparseMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
                                            num_stages=num_stages, fp8_prefetch=fp8_prefetch), programs_per_sm)
 
