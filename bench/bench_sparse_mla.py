@@ -177,9 +177,9 @@ def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLA
             pairs.append((f"{fam} prefetch", replace(c, fp8_prefetch=1)))
             pairs.append((f"{fam} ahead", replace(c, fp8_prefetch=2)))
         if cap == MMA_SYNC_CAPABILITIES[-1]:
-            leads = [SM.SparseMLAConfig.from_string(tile) for _, tile in MMA_SYNC_LEADS.get((fmt, H), ())]
-            pairs += [(tag, replace(lead, num_splits=SM.split_count(T, H, topk, lead, 1, sm_count)))
-                      for (tag, _), lead in zip(MMA_SYNC_LEADS.get((fmt, H), ()), leads)]
+            for tag, tile in MMA_SYNC_LEADS.get((fmt, H), ()):
+                lead = SM.SparseMLAConfig.from_string(tile)
+                pairs.append((tag, replace(lead, num_splits=SM.split_count(T, H, topk, lead, 1, sm_count))))
         for tag, cfg in pairs:
             if cfg not in seen:
                 seen.add(cfg)
@@ -619,7 +619,8 @@ def main():
           "`d2` = the 512 value columns split over 2 programs (each recomputes the scores, half the fp32 "
           "accumulator), `f` = fp8 tile scales applied to the scores/P after/before the dots instead of "
           "dequantising the tile, `g` = the sm_90 Gluon kernel, `r` = the next block's raw fp8 tiles prefetched "
-          f"into registers. baseline us = the same config's time in "
+          "into registers, `a` = the next block's fp8 tiles gathered and decoded one iteration ahead. "
+          f"baseline us = the same config's time in "
           f"{os.path.relpath(baseline_path, ROOT) if baseline_path else 'no baseline'} "
           f"({'not found' if not baseline else 'if it was timed there'}). "
           "vs FlashMLA = FlashMLA us / ours (> 1: ours faster). A variant that "
