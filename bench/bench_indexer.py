@@ -479,8 +479,11 @@ FOCUS_PREFILL_VARIANTS = [
 # The mma.sync GPU families (overlay/kernels/indexer.py _family) whose launch-table picks the mma.sync child times too.
 MMA_FAMILIES = [("sm_89/120", (8, 9)), ("sm_80/86", (8, 0))]
 _FLAT = dict(NESTED=False, HOIST_Q=False, SCALES_AHEAD=False)
-FAMILY_VARIANTS = [("flat runtime BS", dict(_FLAT, CONST_BS=False)), ("flat const BS", dict(_FLAT, CONST_BS=True)),
-                   ("nested const BS", dict(CONST_BS=True, NESTED=True, HOIST_Q=True, SCALES_AHEAD=False))]
+# each family's pick (the block size compiled in on both; sm_80/86 decode their key tiles ahead: K_AHEAD), the
+# per-request walk without K_AHEAD (sm_80/86's pick from 32 heads until stop 48), the flat walk (their pick at 16
+# heads until then) and the pick at 4 warps
+FAMILY_VARIANTS = [("pick", {}), ("nested, not ahead", dict(NESTED=True, HOIST_Q=True, SCALES_AHEAD=False, K_AHEAD=False)),
+                   ("flat", dict(_FLAT, K_AHEAD=False)), ("pick w4", dict(num_warps=4))]
 _GL = dict(GLUON=True, BLOCK_N=64, num_warps=4, num_stages=4, per_sm=2, SCALES_AHEAD=False)
 FOCUS_DECODE_VARIANTS = [
     ("default", {}),
@@ -665,10 +668,10 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
         fams = [f"{fam} {what}" for fam, _ in MMA_FAMILIES for what, _ in FAMILY_VARIANTS]
         lines.extend(["", "### decode on the mma.sync build, by GPU family: graph us / x our wgmma default (target "
                       "<= 1.3x)", "", "each family's own launch-table pick (decode_config of its capability, "
-                      "programs per SM as there, this GPU's SM count), built with DISABLE_MMA_V3=1; 'runtime BS': the "
-                      "cache block size read at run time, 'const BS': compiled in (CONST_BS), 'nested': the "
-                      "per-request walk with the query hoisted (NESTED, HOIST_Q) instead of one item per "
-                      "iteration", "",
+                      "programs per SM as there, this GPU's SM count), built with DISABLE_MMA_V3=1; 'nested, not "
+                      "ahead': the per-request walk with the query hoisted (NESTED, HOIST_Q), each key tile decoded "
+                      "in the iteration that loads it (K_AHEAD off); 'flat': one item per iteration; 'w4': 4 warps",
+                      "",
                       "| case | our wgmma default us | hopper pick mma.sync us | " + " | ".join(fams) + " |",
                       "|---" * (3 + len(fams)) + "|"])
         for case in decode_cases:

@@ -72,6 +72,7 @@ from .launch import contiguous_strides as _contiguous_strides
 from .launch import off_device as _off_device
 from .launch import tensor_key as _tensor_key
 from .launch import pdl_kwargs as _pdl_kwargs
+from .e4m3 import e4m3_as_f16_bits
 from .pdl import pdl_enter
 
 __all__ = [
@@ -148,11 +149,23 @@ def _dot_operand(x, DOT_MODE: tl.constexpr):
 
 
 @triton.jit
+def _k_operand(x, DOT_MODE: tl.constexpr):
+    """A loaded key tile -> its MMA operand; DOT_BF16 decodes with the PTX block of sparse_mla (4 bytes each)."""
+    if DOT_MODE == 1:
+        return e4m3_as_f16_bits(x)
+    else:
+        return _dot_operand(x, DOT_MODE)
+
+
+@triton.jit
 def _score_tile(k, q, w, DOT_MODE: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr,
-                HP: tl.constexpr):
-    """k [BLOCK_N, D] loaded keys, q [T * HP, D] query operand (already `_dot_operand`),
-    w [T * HP] fp32 -> [BLOCK_N, T] fp32: sum over each token's HP heads of w * relu(k . q)."""
-    kk = _dot_operand(k, DOT_MODE)
+                HP: tl.constexpr, DECODED: tl.constexpr = False):
+    """k [BLOCK_N, D] loaded keys (DECODED: already `_dot_operand`), q [T * HP, D] query operand (already
+    `_dot_operand`), w [T * HP] fp32 -> [BLOCK_N, T] fp32: sum over each token's HP heads of w * relu(k . q)."""
+    if DECODED:
+        kk = k
+    else:
+        kk = _dot_operand(k, DOT_MODE)
     if DOT_MODE >= 2:
         s = tl.dot(kk, tl.trans(q), input_precision="ieee")
     else:
@@ -170,7 +183,7 @@ def _mqa_logits_kernel(
     stride_qm, stride_qh, stride_kn, stride_wm, stride_wh, stride_om,
     n_per_split, clean, out_width,
     D: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_MODE: tl.constexpr, COMPRESS: tl.constexpr = False, PDL: tl.constexpr = False,
+    DOT_MODE: tl.constexpr, COMPRESS: tl.constexpr = False, PDL: tl.constexpr = False, K_AHEAD: tl.constexpr = False,
 ):
     """Prefill: program (pid_m, pid_s) scores query tokens [pid_m * BT, +BT) against the keys of
     split pid_s ([pid_s * n_per_split, +n_per_split)) that lie in the union of the tokens' ranges.
@@ -211,13 +224,21 @@ def _mqa_logits_kernel(
         out_rows -= ks[None, :]
         ke_out = tl.minimum(ke, ks + out_width)
     rn = tl.arange(0, BLOCK_N)
+    if K_AHEAD:   # as in the decode kernel: each next key tile loaded at the top of an iteration, decoded at its end
+        k_next = _k_operand(tl.load(k_ptr + (c_lo + rn).to(tl.int64)[:, None] * stride_kn + d[None, :],
+                                    mask=(c_lo + rn < c_hi)[:, None], other=0.0), DOT_MODE)
     for n0 in range(c_lo, c_hi, BLOCK_N):
         n = n0 + rn
         n_ok = n < N
-        k = tl.load(k_ptr + n.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=n_ok[:, None],
-                    other=0.0)
+        if K_AHEAD:
+            k = k_next
+            raw_next = tl.load(k_ptr + (n + BLOCK_N).to(tl.int64)[:, None] * stride_kn + d[None, :],
+                               mask=(n + BLOCK_N < c_hi)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + n.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=n_ok[:, None],
+                        other=0.0)
         ksc = tl.load(ksc_ptr + n, mask=n_ok, other=0.0)
-        logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, BT, HP) * ksc[:, None]
+        logits = _score_tile(k, q, w, DOT_MODE, BLOCK_N, BT, HP, K_AHEAD) * ksc[:, None]
         valid = (n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :])
         logits = tl.where(valid, logits, float("-inf"))
         if COMPRESS:
@@ -225,6 +246,8 @@ def _mqa_logits_kernel(
                      mask=valid & (n[:, None] < ke_out[None, :]) & tok_ok[None, :])
         else:
             tl.store(out_rows + n[:, None], logits, mask=n_ok[:, None] & tok_ok[None, :])
+        if K_AHEAD:
+            k_next = _k_operand(raw_next, DOT_MODE)
 
     if clean:
         # -inf over the split's columns no token of this group can see.
@@ -276,7 +299,7 @@ def _paged_mqa_logits_kernel(
     stride_blk, stride_om,
     D: tl.constexpr, HP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr, SCALES_AHEAD: tl.constexpr = False, HOIST_Q: tl.constexpr = True,
-    NESTED: tl.constexpr = True, BS: tl.constexpr = 0, PDL: tl.constexpr = False,
+    NESTED: tl.constexpr = True, BS: tl.constexpr = 0, PDL: tl.constexpr = False, K_AHEAD: tl.constexpr = False,
 ):
     """Decode, persistent: work item = (request b, key tile t) for query tokens [j0, j0 + T) of b.
     Request b has max(1, cdiv(len_b, BLOCK_N)) items (len_b: the furthest position any of its
@@ -357,12 +380,24 @@ def _paged_mqa_logits_kernel(
                 ksc_next = tl.load(kvs_ptr + phys_a * stride_blk_f + scale_base + off_a,
                                    mask=t * BLOCK_N + rn < kv_len, other=0.0)
                 phys_next, off_next = _rows(bt_row, (t + 1) * BLOCK_N, rn, kv_len, block_size, BS, BLOCK_N)
+            if K_AHEAD:
+                # Decoded ahead (sm_80/86: see _k_operand): the first tile here, each next one after the
+                # current tile's MMA, so the loop carries the 16-bit operand and its gathers overlap the MMA.
+                phys_k, off_k = _rows(bt_row, t * BLOCK_N, rn, kv_len, block_size, BS, BLOCK_N)
+                k_next = _k_operand(tl.load(kvv_ptr + (phys_k * stride_blk + off_k * D)[:, None] + d[None, :],
+                                            mask=(t * BLOCK_N + rn < kv_len)[:, None], other=0.0), DOT_MODE)
             for tt in range(t, t_end):
                 n = tt * BLOCK_N + rn
                 n_ok = n < kv_len
                 phys, off = _rows(bt_row, tt * BLOCK_N, rn, kv_len, block_size, BS, BLOCK_N)
-                k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
-                            mask=n_ok[:, None], other=0.0)
+                if K_AHEAD:
+                    k = k_next
+                    phys_k, off_k = _rows(bt_row, (tt + 1) * BLOCK_N, rn, kv_len, block_size, BS, BLOCK_N)
+                    raw_next = tl.load(kvv_ptr + (phys_k * stride_blk + off_k * D)[:, None] + d[None, :],
+                                       mask=(n + BLOCK_N < kv_len)[:, None], other=0.0)
+                else:
+                    k = tl.load(kvv_ptr + (phys * stride_blk + off * D)[:, None] + d[None, :],
+                                mask=n_ok[:, None], other=0.0)
                 if SCALES_AHEAD:
                     ksc = ksc_next
                     ksc_next = tl.load(kvs_ptr + phys_next * stride_blk_f + scale_base + off_next,
@@ -376,10 +411,12 @@ def _paged_mqa_logits_kernel(
                     qd = q
                 else:         # sm_80/86: reloaded per tile (L1/L2 hit), registers go to the decoder
                     qd = _dot_operand(tl.load(q_ptrs, mask=col_ok[:, None], other=0.0), DOT_MODE)
-                logits = _score_tile(k, qd, w, DOT_MODE, BLOCK_N, T, HP) * ksc[:, None]
+                logits = _score_tile(k, qd, w, DOT_MODE, BLOCK_N, T, HP, K_AHEAD) * ksc[:, None]
                 logits = tl.where(n[:, None] < vis[None, :], logits, float("-inf"))
                 tl.store(out_row + n[:, None], logits,
                          mask=(n < max_model_len)[:, None] & tok_ok[None, :])
+                if K_AHEAD:
+                    k_next = _k_operand(raw_next, DOT_MODE)
             todo -= t_end - t
             b += 1
             t = t * 0
@@ -454,7 +491,7 @@ class PrefillConfig:
     MMA is [BLOCK_N, D] x [D, BT * HP]; BLOCK_N: keys per tile; DOT_MODE: how the MMA multiplies
     (DOT_FP8 / DOT_BF16 / DOT_FP32 / DOT_BYTES_FP32); num_warps, num_stages: Triton launch options;
     splits: programs over the keys (None: the launcher aims for 4 programs per SM); COMPRESS: row-compressed
-    output (`max_seqlen_k=`, vLLM 0.33.0 on).
+    output (`max_seqlen_k=`, vLLM 0.33.0 on); K_AHEAD: each next key tile decoded ahead (DecodeConfig; sm_80/86).
     """
 
     HP: int
@@ -465,11 +502,12 @@ class PrefillConfig:
     num_stages: int
     splits: int | None = None
     COMPRESS: bool = False
+    K_AHEAD: bool = False
 
     def constexprs(self) -> dict:
         """The kernel's constexpr arguments (but D)."""
         return dict(HP=self.HP, BT=self.BT, BLOCK_N=self.BLOCK_N, DOT_MODE=self.DOT_MODE,
-                    COMPRESS=bool(self.COMPRESS))
+                    COMPRESS=bool(self.COMPRESS), K_AHEAD=bool(self.K_AHEAD))
 
 
 @dataclass(frozen=True)
@@ -489,7 +527,10 @@ class DecodeConfig:
     CONST_BS: compile the cache's block size in (its divisions become shifts, and the Gluon kernel reads one
     block-table entry per tile where a tile lies in one block; one binary per block size), else read it at run time;
     on by default everywhere but sm_90's flat walk (H100: 6-30% at batch 128 on sm_90's picks, 1.1-1.3x on the
-    mma.sync targets' picks built for mma.sync; bench/RESULTS.md, stops 35 and 37).
+    mma.sync targets' picks built for mma.sync; bench/RESULTS.md, stops 35 and 37); K_AHEAD (NESTED only): load each
+    next key tile at the top of an iteration and turn it into the MMA operand after this one's MMA, so the loop
+    carries the 16-bit operand (sm_80/86: decoded by e4m3.e4m3_as_f16_bits, half the loop's instructions of decoding
+    a tile loaded in the same iteration; bench/RESULTS.md, stop 48).
     """
 
     HP: int
@@ -507,6 +548,7 @@ class DecodeConfig:
     GLUON: bool = False
     maxnreg: int | None = None
     CONST_BS: bool = False
+    K_AHEAD: bool = False
 
     def constexprs(self) -> dict:
         """The kernel's constexpr arguments (but D)."""
@@ -514,7 +556,7 @@ class DecodeConfig:
             return dict(HP=self.HP, T=self.T, BLOCK_N=self.BLOCK_N, BLOCK_B=self.BLOCK_B, NUM_BUF=self.num_stages)
         return dict(HP=self.HP, T=self.T, BLOCK_N=self.BLOCK_N, BLOCK_B=self.BLOCK_B,
                     DOT_MODE=self.DOT_MODE, SCALES_AHEAD=bool(self.SCALES_AHEAD),
-                    HOIST_Q=bool(self.HOIST_Q), NESTED=bool(self.NESTED))
+                    HOIST_Q=bool(self.HOIST_Q), NESTED=bool(self.NESTED), K_AHEAD=bool(self.K_AHEAD))
 
 
 @dataclass(frozen=True)
@@ -619,12 +661,14 @@ def prefill_config(capability, heads: int) -> PrefillConfig:
     """Tile choice of the prefill kernel for a device of `capability` ((major, minor), or None for
     the interpreter) and `heads` index heads.  BT query tokens share each key tile, so one MMA is
     [BLOCK_N, D] x [D, BT * HP] with HP the padded head count (at most MAX_HEADS).  Cached (the
-    result is frozen)."""
+    result is frozen).  sm_80/86 decode each key tile ahead (K_AHEAD; cross-compiled for sm_80, 32 / 64 heads: 41.5 /
+    74.6 -> 26.2 / 44.6 loop instructions per key and token; on the fp8 MMA targets it only adds conversions)."""
     hp = _padded_heads(heads)
-    tune = PREFILL_TUNING[_family(capability)]
+    fam = _family(capability)
+    tune = PREFILL_TUNING[fam]
     return PrefillConfig(HP=hp, BT=max(1, min(8, tune.mma_cols // hp)), BLOCK_N=tune.block_n,
                          DOT_MODE=dot_mode_for_capability(capability), num_warps=tune.num_warps,
-                         num_stages=tune.num_stages)
+                         num_stages=tune.num_stages, K_AHEAD=fam == "bf16")
 
 
 @functools.cache
@@ -657,10 +701,11 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
     # The per-request walk (q hoisted, pipelined tile loop) where it fits the registers (no spills, cross-compiled)
     # and was faster (H100, the mma.sync build standing in for sm_80-sm_120; bench/RESULTS.md, stop 37): sm_90 up
     # to 128 MMA columns, the fp8 mma.sync targets from 64 to 128 (1.05-1.1x faster; at 32 columns 3-12% slower),
-    # sm_80/86 from 32 heads (1.3-1.6x at batch >= 32, 1.2x at batch 1; at 16 heads x 2 tokens it spills); else the
-    # flat one-item-per-iteration loop.
-    nested = (fam == "interp" or (fam == "hopper" and t * hp <= 128) or (fam == "fp8" and 64 <= t * hp <= 128)
-              or (fam == "bf16" and hp >= 32))
+    # sm_80/86 from 32 heads (1.3-1.6x at batch >= 32, 1.2x at batch 1); else the flat one-item-per-iteration loop.
+    # sm_80/86 decode each key tile ahead (K_AHEAD): cross-compiled, half the loop's instructions per key or less
+    # (sm_80, 32 heads x 1 / 2 tokens: 73.5 / 137.8 -> 38.4 / 66.9; 16 heads: the nested walk then spills nothing, and
+    # 101 -> 33 against the flat walk; bench/RESULTS.md, stop 48), so they take the nested walk at every head count.
+    nested = (fam in ("interp", "bf16") or (fam == "hopper" and t * hp <= 128) or (fam == "fp8" and 64 <= t * hp <= 128))
     # Scale prefetch with the large tile only (it loses with the small one).
     # measured: bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
     ahead = fam == "hopper" and nested and block_n == tune.block_n_large
@@ -677,7 +722,7 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
     return DecodeConfig(HP=hp, T=t, BLOCK_N=block_n, BLOCK_B=128, DOT_MODE=dot_mode_for_capability(capability),
                         SCALES_AHEAD=ahead, HOIST_Q=nested, NESTED=nested, num_warps=tune.num_warps,
                         num_stages=tune.num_stages, per_sm=per_sm,
-                        CONST_BS=fam in ("fp8", "bf16") or (fam == "hopper" and nested))
+                        CONST_BS=fam in ("fp8", "bf16") or (fam == "hopper" and nested), K_AHEAD=fam == "bf16")
 
 
 def launch_configs(capability) -> list[tuple[str, PrefillConfig | DecodeConfig]]:

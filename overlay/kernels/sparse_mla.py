@@ -73,6 +73,7 @@ from .launch import contiguous_strides as _contiguous_strides
 from .launch import off_device as _off_device
 from .launch import tensor_key as _tensor_key
 from .launch import pdl_kwargs as _pdl_kwargs
+from .e4m3 import e4m3_as_f16_bits
 from .pdl import pdl_enter
 from .sparse_mla_sm90 import GLUON as _GLUON
 from .sparse_mla_sm90 import WS as _WS
@@ -134,7 +135,7 @@ def _decode_nope(raw, scale, FP8_NATIVE: tl.constexpr, FP8_POST: tl.constexpr, D
         # sm_80/86 have no e4m3 conversion: place sign/exponent/mantissa into an fp16 bit pattern
         # (exponent bias 15 instead of 7, subnormals included) and fold the 2^8 into the scale.
         if BITS_ASM:
-            x = _e4m3_as_f16_bits(raw)
+            x = e4m3_as_f16_bits(raw)
         else:
             r16 = raw.to(tl.uint16)
             bits = ((r16 & 0x80) << 8) | ((r16 & 0x7F) << 7)
@@ -144,19 +145,6 @@ def _decode_nope(raw, scale, FP8_NATIVE: tl.constexpr, FP8_POST: tl.constexpr, D
         return x.to(DOT_DTYPE), scale
     else:
         return (x.to(tl.float32) * scale[:, None]).to(DOT_DTYPE), scale
-
-
-@triton.jit
-def _e4m3_as_f16_bits(raw):
-    """e4m3 bytes -> float16 values 2^-8 times theirs (sign to bit 15, the other 7 bits to bits 7-13: exact,
-    subnormals included), 4 bytes per PTX block: each prmt spreads two bytes into 16-bit lanes with the byte's sign
-    replicated above it (0xSSbb), the shift by 7 puts the byte's low 7 bits and one sign copy in place, the mask drops
-    the rest. What the Triton expression of _decode_nope costs per pair of values in unpack/repack PRMTs, this does in
-    three instructions."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 a, b; prmt.b32 a, $2, 0, 0x9180; prmt.b32 b, $2, 0, 0xB3A2; shl.b32 a, a, 7; "
-        "shl.b32 b, b, 7; and.b32 $0, a, 0xBF80BF80; and.b32 $1, b, 0xBF80BF80; }",
-        "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit

@@ -107,8 +107,11 @@ def test_prefill_matches_reference(H, M, N, seed, clean):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cfg", [dict(splits=1), dict(splits=7), dict(BT=1, BLOCK_N=16),
-                                 dict(BT=4, BLOCK_N=32, splits=3)])
+                                 dict(BT=4, BLOCK_N=32, splits=3), dict(K_AHEAD=True, splits=3),
+                                 dict(K_AHEAD=True, BT=1, BLOCK_N=16, splits=7)])
 def test_prefill_tiles_splits_and_dot_modes(mode, cfg):
+    """Whole and split key ranges, small tiles, and the key tiles decoded ahead (sm_80/86's K_AHEAD: the first tile
+    of a split loaded before its loop, the prefetch past its last tile masked)."""
     case = C.prefill_case(11, 19, 250, 4)
     out = _prefill(case, True, _config=dict(cfg, DOT_MODE=mode))
     C.check_logits(out, case.ref(), TOL, True, f"prefill {case.what} {cfg} mode={mode}")
@@ -245,13 +248,17 @@ def test_paged_context_longer_than_max_model_len(two_d, clean):
                                  dict(SCALES_AHEAD=True, BLOCK_N=16, programs=7),
                                  dict(SCALES_AHEAD=True, BLOCK_N=32, programs=1),
                                  dict(HOIST_Q=False, programs=3),
+                                 dict(K_AHEAD=True, BLOCK_N=16, programs=7),
+                                 dict(K_AHEAD=True, SCALES_AHEAD=True, programs=1),
+                                 dict(K_AHEAD=True, HOIST_Q=False, T=1, programs=53),
                                  dict(NESTED=False, BLOCK_N=16, programs=5),
                                  dict(NESTED=False, programs=53)])
 def test_paged_work_split_and_dot_modes(mode, cfg):
     """One program doing everything, more programs than work items, the request count walked in
     chunks smaller than the batch, small tiles, next_n split over launches, the scales
     prefetched a tile ahead (programs whose items span several requests), the query reloaded per
-    tile, and the flat one-item-per-iteration walk (sm_80/86/89/120's)."""
+    tile, the key tiles decoded a tile ahead (sm_80/86's: a program's first tile of each request loaded before its
+    loop, the last iteration's prefetch past the request's keys masked), and the flat one-item-per-iteration walk."""
     lens = [45, 0, 3, 130, 64, 1, 77, 16, 2, 0, 90, 33, 18, 61, 8, 49, 20]
     case = C.paged_case(21, len(lens), 2, 4, 16, lens, max_model_len=140)
     out = _paged(case, True, _config=dict(cfg, DOT_MODE=mode))
@@ -465,7 +472,8 @@ def test_gluon_decode_errors_other_than_a_build_failure_and_caller_configs_still
 @pytest.mark.parametrize("block_size,cfg", [
     (16, dict(BLOCK_N=16)), (16, dict(BLOCK_N=64)), (64, dict(BLOCK_N=32)), (32, dict(BLOCK_N=128)),
     (32, dict(BLOCK_N=32, NESTED=False, HOIST_Q=False)), (16, dict(BLOCK_N=32, NESTED=False, HOIST_Q=False)),
-    (16, dict(BLOCK_N=32, SCALES_AHEAD=True)), (64, dict(BLOCK_N=32, SCALES_AHEAD=True))])
+    (16, dict(BLOCK_N=32, SCALES_AHEAD=True)), (64, dict(BLOCK_N=32, SCALES_AHEAD=True)),
+    (64, dict(BLOCK_N=64, K_AHEAD=True)), (16, dict(BLOCK_N=32, K_AHEAD=True))])
 def test_paged_block_size_compiled_in_matches_reference(block_size, cfg):
     """CONST_BS (the block size a constant of the kernel): tiles smaller than a cache block (one block-table entry per
     tile), equal to it and spanning several blocks (an entry per key row), both walks, the scales read a tile ahead;
@@ -476,10 +484,18 @@ def test_paged_block_size_compiled_in_matches_reference(block_size, cfg):
     C.check_logits(out, case.ref(), TOL, True, f"paged {case.what} CONST_BS {cfg}")
 
 
+def test_only_sm80_and_sm86_decode_the_prefill_key_tiles_ahead():
+    """K_AHEAD halves the sm_80/86 loop (the e4m3 decode) but only adds conversions where the MMA takes fp8."""
+    for cap in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), None):
+        for h in (16, 32, 64, 128):
+            assert ix.prefill_config(cap, h).K_AHEAD == (cap in ((8, 0), (8, 6))), (cap, h)
+
+
 def test_where_the_block_size_is_compiled_in_and_the_walk_is_nested():
     """CONST_BS on sm_90's per-request walk and on every mma.sync target; the fp8 mma.sync targets (sm_89, sm_10x,
     sm_12x) walk request by request from 64 MMA columns (T x padded heads) to 128, sm_80/86 from 32 padded heads, one
-    item per iteration elsewhere (bench/RESULTS.md, stop 37)."""
+    item per iteration elsewhere (bench/RESULTS.md, stop 37); sm_80/86 at every head count since their key tiles are
+    decoded ahead (K_AHEAD, there only: stop 48)."""
     assert all(ix.decode_config((9, 0), h, n, gluon=g).CONST_BS for h in (32, 64, 128) for n in (1, 2)
                for g in (True, False) if h * n <= 128)
     # the flat walk at 256 MMA columns (128 heads x 2 tokens) spills 24 B with it (cross-compiled, sm_90)
@@ -488,7 +504,9 @@ def test_where_the_block_size_is_compiled_in_and_the_walk_is_nested():
         for h, n in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (128, 1), (128, 2)):
             cfg = ix.decode_config(cap, h, n)
             assert cfg.CONST_BS and cfg.NESTED == cfg.HOIST_Q == (64 <= cfg.T * cfg.HP <= 128), (cap, h, n, cfg)
+            assert not cfg.K_AHEAD
     for cap in ((8, 0), (8, 6)):
         for h, n in ((16, 1), (16, 2), (32, 1), (32, 2), (64, 1), (64, 2), (128, 1)):
             cfg = ix.decode_config(cap, h, n)
-            assert cfg.CONST_BS and cfg.NESTED == cfg.HOIST_Q == (cfg.HP >= 32), (cap, h, n, cfg)
+            assert cfg.CONST_BS and cfg.NESTED and cfg.HOIST_Q and cfg.K_AHEAD, (cap, h, n, cfg)
+    assert not any(ix.decode_config((9, 0), h, n, gluon=False).K_AHEAD for h in (16, 32, 64, 128) for n in (1, 2))
