@@ -481,9 +481,12 @@ MMA_FAMILIES = [("sm_89/120", (8, 9)), ("sm_80/86", (8, 0))]
 _FLAT = dict(NESTED=False, HOIST_Q=False, SCALES_AHEAD=False)
 # each family's pick (the block size compiled in on both; sm_80/86 decode their key tiles ahead: K_AHEAD), the
 # per-request walk without K_AHEAD (sm_80/86's pick from 32 heads until stop 48), the flat walk (their pick at 16
-# heads until then) and the pick at 4 warps
-FAMILY_VARIANTS = [("pick", {}), ("nested, not ahead", dict(NESTED=True, HOIST_Q=True, SCALES_AHEAD=False, K_AHEAD=False)),
-                   ("flat", dict(_FLAT, K_AHEAD=False)), ("pick w4", dict(num_warps=4))]
+# heads until then; both at 8 warps and 4 programs per SM, as then) and the pick at 8 warps, 2 programs per SM
+_WAS = dict(num_warps=8, per_sm=4, K_AHEAD=False)
+FAMILY_VARIANTS = {"sm_89/120": [("pick", {})],
+                   "sm_80/86": [("pick", {}), ("nested, not ahead",
+                                               dict(_WAS, NESTED=True, HOIST_Q=True, SCALES_AHEAD=False)),
+                                ("flat", dict(_WAS, **_FLAT)), ("pick w8", dict(num_warps=8, per_sm=2))]}
 _GL = dict(GLUON=True, BLOCK_N=64, num_warps=4, num_stages=4, per_sm=2, SCALES_AHEAD=False)
 FOCUS_DECODE_VARIANTS = [
     ("default", {}),
@@ -659,18 +662,19 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
         B, ctx, nn = case
         for fam, cap in MMA_FAMILIES:
             cfg = ours.decode_config(cap, HEADS, nn, B, ctx, sms, gluon=False)
-            for what, over in FAMILY_VARIANTS:
+            for what, over in FAMILY_VARIANTS[fam]:
                 yield f"{fam} {what}", dict(vars(cfg), **over)
 
     table("prefill", FOCUS_PREFILL_VARIANTS, prefill_cases, prefill_calls)
     table("decode", FOCUS_DECODE_VARIANTS, decode_cases, decode_calls, family_picks)
     if args.mma_sync and not child:
-        fams = [f"{fam} {what}" for fam, _ in MMA_FAMILIES for what, _ in FAMILY_VARIANTS]
+        fams = [f"{fam} {what}" for fam, _ in MMA_FAMILIES for what, _ in FAMILY_VARIANTS[fam]]
         lines.extend(["", "### decode on the mma.sync build, by GPU family: graph us / x our wgmma default (target "
                       "<= 1.3x)", "", "each family's own launch-table pick (decode_config of its capability, "
                       "programs per SM as there, this GPU's SM count), built with DISABLE_MMA_V3=1; 'nested, not "
                       "ahead': the per-request walk with the query hoisted (NESTED, HOIST_Q), each key tile decoded "
-                      "in the iteration that loads it (K_AHEAD off); 'flat': one item per iteration; 'w4': 4 warps",
+                      "in the iteration that loads it (K_AHEAD off), and 'flat', one item per iteration: both at 8 warps, 4 programs per "
+                      "SM; 'w8': the pick at 8 warps, 2 programs per SM",
                       "",
                       "| case | our wgmma default us | hopper pick mma.sync us | " + " | ".join(fams) + " |",
                       "|---" * (3 + len(fams)) + "|"])

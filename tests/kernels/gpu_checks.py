@@ -308,14 +308,14 @@ PAGED = [
 
 
 @pytest.mark.parametrize("walk", ["default", "triton", "gluon", "gluon-nb2", "gluon-runtime-bs", "flat", "flat-bf16",
-                                  "nested-bf16", "sm80-pick-bf16", "ahead-w4-bf16"])
+                                  "nested-bf16", "sm80-pick-bf16", "ahead-w8-bf16"])
 @pytest.mark.parametrize("p", PAGED, ids=lambda p: f"seed={p[0]}-n{p[1]}-H{p[2]}")
 def test_indexer_paged(p, walk):
     """The device's own config (on sm_90: the Gluon kernel at two tokens x <= 64 heads or batch 1, else the
     per-request walk, scales prefetched for the large tile), the Triton kernel's own pick (``triton``), the sm_90
     Gluon kernel forced at every shape it takes (4 and 2 key buffers: the ring wraps every 2 tiles; the block size
     read at run time, not compiled in), the flat walk of the other targets, the sm_80/86 decoder path in both
-    walks, and sm_80's own pick (key tiles decoded ahead by the PTX block), also at 4 warps on 7 programs."""
+    walks, and sm_80's own pick (key tiles decoded ahead by the PTX block), also at 8 warps on 7 programs."""
     seed, next_n, H, bs, lens, two_d, mml = p
     case = C.paged_case(seed, len(lens), next_n, H, bs, lens, two_d=two_d, max_model_len=mml)
     g = case.to("cuda")
@@ -335,7 +335,7 @@ def test_indexer_paged(p, walk):
            "nested-bf16": lambda: replace(IX.decode_config(cap, H, next_n, gluon=False), NESTED=True, HOIST_Q=True,
                                           SCALES_AHEAD=False, DOT_MODE=IX.DOT_BF16, BLOCK_N=64, num_warps=8),
            "sm80-pick-bf16": lambda: IX.decode_config((8, 0), H, next_n),
-           "ahead-w4-bf16": lambda: replace(IX.decode_config((8, 0), H, next_n), num_warps=4, programs=7)}[walk]
+           "ahead-w8-bf16": lambda: replace(IX.decode_config((8, 0), H, next_n), num_warps=8, programs=7)}[walk]
     cfg = cfg() if callable(cfg) else cfg
     if walk == "triton":
         assert not cfg.GLUON

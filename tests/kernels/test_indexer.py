@@ -485,10 +485,11 @@ def test_paged_block_size_compiled_in_matches_reference(block_size, cfg):
 
 
 def test_only_sm80_and_sm86_decode_the_prefill_key_tiles_ahead():
-    """K_AHEAD halves the sm_80/86 loop (the e4m3 decode) but only adds conversions where the MMA takes fp8."""
+    """K_AHEAD halves the sm_80/86 loop (the e4m3 decode) but only adds conversions where the MMA takes fp8; at 128
+    heads it spills (cross-compiled)."""
     for cap in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), None):
         for h in (16, 32, 64, 128):
-            assert ix.prefill_config(cap, h).K_AHEAD == (cap in ((8, 0), (8, 6))), (cap, h)
+            assert ix.prefill_config(cap, h).K_AHEAD == (cap in ((8, 0), (8, 6)) and h <= 64), (cap, h)
 
 
 def test_where_the_block_size_is_compiled_in_and_the_walk_is_nested():
