@@ -166,7 +166,7 @@ def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLA
     with the other fp8_post_scale ("sm80 alt"), with the raw-tile prefetch ("sm80 prefetch") and with the tiles decoded
     one iteration ahead ("sm80 ahead"); then MMA_SYNC_LEADS
     for this format and head count, each split by the heuristic's rule for its own tile ("sm8x lead"); a config timed
-    under one tag is not timed again under another."""
+    under one tag is not timed again under another (a pick two families share is tagged with both: "sm80/sm89 pick")."""
     out, seen = [], set()
     for cap in MMA_SYNC_CAPABILITIES:
         c = SM.choose_config(T, H, topk, fmt, sm_count=sm_count, capability=cap)
@@ -184,6 +184,10 @@ def mma_tile_configs(fmt, T, H, topk, sm_count) -> list[tuple[str, "SM.SparseMLA
             if cfg not in seen:
                 seen.add(cfg)
                 out.append((tag, cfg))
+            elif tag.endswith(" pick"):
+                i = next(i for i, (t, c) in enumerate(out) if c == cfg)
+                if out[i][0].endswith(" pick"):
+                    out[i] = (f"{out[i][0].split()[0]}/{tag}", cfg)
     return out
 
 
@@ -194,7 +198,8 @@ def mma_tile_rows(mma: dict) -> list[str]:
     parsed = [(k.split(" | "), us) for k, us in mma.items() if k.count(" | ") == 2]
     for (label, tag, cfg), us in parsed:
         if label.startswith("bf16") and tag.endswith("pick"):
-            bf16_pick[(label[len("bf16"):], tag.split()[0])] = us
+            for fam in tag.split()[0].split("/"):
+                bf16_pick[(label[len("bf16"):], fam)] = us
     for (label, tag, cfg), us in parsed:
         ratio = "-"
         if label.startswith("fp8_ds_mla"):

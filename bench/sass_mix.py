@@ -35,7 +35,7 @@ for p in (REPO, REPO / "tests" / "kernels"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-HMMA = ("HMMA",)
+HMMA = ("HMMA", "QMMA")   # tensor core, mma.sync (QMMA: fp8 operands, sm_89 / sm_12x)
 CONVERSION = ("F2FP", "F2F", "I2F", "F2I", "PRMT", "I2FP", "F2IP")
 SHARED = ("LDS", "LDSM", "STS", "LDGSTS")
 LOCAL = ("LDL", "STL")   # register spills
@@ -44,9 +44,10 @@ _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]
 _LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 
 
-def main_loop(sass: str) -> collections.Counter:
-    """Opcode counts of the longest loop in nvdisasm -c output: from a label to the last branch back to it."""
-    ins, labels = [], {}
+def _loops(sass: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """(opcodes, [(first, last) instruction index of each loop]) of nvdisasm -c output: a loop runs from a label to
+    the last branch back to it."""
+    ins, labels, spans = [], {}, {}
     for line in sass.splitlines():
         m = _LABEL.match(line)
         if m:
@@ -55,16 +56,29 @@ def main_loop(sass: str) -> collections.Counter:
         m = _INSN.search(line)
         if m:
             ins.append((m.group(2), m.group(3)))
-    best = None
     for i, (op, args) in enumerate(ins):
         t = re.search(r"\b(L_x_\d+)\b", args) if op == "BRA" else None
         if t and labels.get(t.group(1), i + 1) <= i:
-            span = (labels[t.group(1)], i)
-            if best is None or span[1] - span[0] > best[1] - best[0]:
-                best = span
-    if best is None:
+            start = labels[t.group(1)]
+            spans[start] = max(spans.get(start, i), i)
+    return [op for op, _ in ins], sorted(spans.items())
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """Opcode counts of the longest loop in nvdisasm -c output: from a label to the last branch back to it."""
+    ops, spans = _loops(sass)
+    if not spans:
         raise ValueError("no loop in this SASS (no branch back to an earlier label)")
-    return collections.Counter(op for op, _ in ins[best[0]:best[1] + 1])
+    a, b = max(spans, key=lambda s: s[1] - s[0])
+    return collections.Counter(ops[a:b + 1])
+
+
+def mma_loops(sass: str) -> list[collections.Counter]:
+    """Opcode counts of every loop that issues MMAs, innermost (shortest) first: a nested walk's inner loop is the
+    first, main_loop above is its outer one."""
+    ops, spans = _loops(sass)
+    loops = [collections.Counter(ops[a:b + 1]) for a, b in sorted(spans, key=lambda s: s[1] - s[0])]
+    return [c for c in loops if any(c[o] for o in HMMA)]
 
 
 def classify(ops: collections.Counter) -> dict:
@@ -126,6 +140,52 @@ def loop_of(cc: int, fmt: str, tokens: int, heads: int, topk: int = 2048, tile: 
                 min_hmma_per_row=min_hmma_per_row(cfg.block_h, cfg.dv_split) * programs)
 
 
+def indexer_loop_of(cc: int, kernel: str, heads: int, next_n: int = 1, overrides: dict | None = None) -> dict:
+    """Cross-compile the indexer's pick on sm_<cc> (kernel "decode": fp8_paged_mqa_logits' Triton kernel at batch 128,
+    ctx 16K; "prefill": fp8_mqa_logits), with `overrides` (config fields) applied, and count its innermost MMA loop
+    per key (decode: per key of the T tokens a program scores together; prefill: per key and query token)."""
+    import dataclasses
+
+    from _xcompile import cross_compile
+    from test_indexer_xcompile import VLLM_BLOCK_SIZE, _signature
+
+    from overlay.kernels import indexer as ix
+
+    cap = (cc // 10, cc % 10)
+    if kernel == "decode":
+        cfg = ix.decode_config(cap, heads, next_n, 128, 16384, 132, gluon=False)
+        fn = ix._paged_mqa_logits_kernel
+    else:
+        cfg = ix.prefill_config(cap, heads)
+        fn = ix._mqa_logits_kernel
+    cfg = dataclasses.replace(cfg, **(overrides or {}))
+    sig, div = _signature(fn, cfg.DOT_MODE, ix.DOT_FP8)
+    consts = dict(cfg.constexprs(), D=ix.HEAD_DIM)
+    if kernel == "decode":
+        consts["BS"] = VLLM_BLOCK_SIZE if cfg.CONST_BS else 0
+    c = cross_compile(fn, sig, consts, cc, num_warps=cfg.num_warps, num_stages=cfg.num_stages, divisible_by_16=div)
+    counts = classify(mma_loops(disassemble(c.cubin, cc))[0])
+    keys = cfg.BLOCK_N * (cfg.BT if kernel == "prefill" else 1)
+    return dict(cc=cc, kernel=kernel, heads=heads, next_n=next_n, overrides=overrides or {},
+                cfg={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None}, loop=counts,
+                per_key={k: v * cfg.num_warps / keys for k, v in counts.items()}, registers=c.registers,
+                spills=c.spills, shared=c.shared)
+
+
+def indexer_report(rows: list[dict]) -> str:
+    lines = ["| sm | kernel | heads x next_n | config (overrides) | warp instructions per key | MMA | conversion | "
+             "shared memory | other | registers | spill bytes |", "|" + "---|" * 11]
+    for r in rows:
+        c, p = r["cfg"], r["per_key"]
+        what = (f"BLOCK_N {c['BLOCK_N']}, {c['num_warps']} warps" + (f", T {c['T']}" if "T" in c else f", BT {c['BT']}")
+                + (", nested" if c.get("NESTED") else "") + (", K_AHEAD" if c.get("K_AHEAD") else ""))
+        over = f" ({', '.join(f'{k}={v}' for k, v in r['overrides'].items())})" if r["overrides"] else " (pick)"
+        lines.append(f"| {r['cc']} | {r['kernel']} | {r['heads']} x {r['next_n']} | {what}{over} | {p['total']:.1f} | "
+                     f"{p['hmma']:.1f} | {p['conversion']:.1f} | {p['shared']:.1f} | {p['other']:.1f} | "
+                     f"{r['registers']} | {r['spills']} |")
+    return "\n".join(lines) + "\n"
+
+
 def report(rows: list[dict]) -> str:
     lines = ["| sm | heads x tokens | cache | tile | warp instructions per KV row | HMMA (fewest possible) | "
              "conversion | shared memory | spills | other | fp8 / bf16 (all) |", "|" + "---|" * 11]
@@ -149,10 +209,29 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", default=None,
                     help="comma-separated config strings (e.g. h16n32s1w4p2f) to count besides each pick")
     ap.add_argument("--out", default=None, help="markdown file (default: stdout); a .json beside it")
+    ap.add_argument("--indexer", choices=("decode", "prefill"), default=None,
+                    help="count the indexer kernel's innermost MMA loop instead (its pick per --cc x --heads x "
+                         "--next-n, then each --variants override)")
+    ap.add_argument("--next-n", default="1", help="--indexer decode: query tokens per request, e.g. 1,2")
+    ap.add_argument("--variants", default=None,
+                    help="--indexer: JSON list of config overrides counted beside each pick, e.g. "
+                         "'[{\"K_AHEAD\": false, \"num_warps\": 8}]'")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("sass_mix.py compiles for real targets: run it without TRITON_INTERPRET")
     rows = []
+    if args.indexer:
+        variants = [None] + (json.loads(args.variants) if args.variants else [])
+        next_ns = [int(n) for n in args.next_n.split(",")] if args.indexer == "decode" else [1]
+        for cc in (int(c) for c in args.cc.split(",")):
+            for heads in (int(h) for h in args.heads.split(",")):
+                for nn in next_ns:
+                    for over in variants:
+                        rows.append(indexer_loop_of(cc, args.indexer, heads, nn, over))
+                        r = rows[-1]
+                        print(f"sm_{cc} indexer {args.indexer} {heads} heads x {nn}: {r['cfg']}, {over or 'pick'}: "
+                              f"{r['per_key']['total']:.1f} warp instructions per key", file=sys.stderr, flush=True)
+        return _write(indexer_report(rows), rows, args.out)
     for cc in (int(c) for c in args.cc.split(",")):
         for heads in (int(h) for h in args.heads.split(",")):
             for fmt in args.formats.split(","):
@@ -161,10 +240,14 @@ def main(argv=None) -> int:
                     r = rows[-1]
                     print(f"sm_{cc} {heads} heads x {args.tokens} {fmt}: {r['tile']}{'' if tile else ' (pick)'}, "
                           f"{r['per_row']['total']:.0f} warp instructions per KV row", file=sys.stderr, flush=True)
-    text = report(rows)
-    if args.out:
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    return _write(report(rows), rows, args.out)
+
+
+def _write(text: str, rows: list[dict], out: str | None) -> int:
+    """The markdown report to `out` with the rows as JSON beside it, or to stdout."""
+    if out:
+        Path(out).write_text(text)
+        Path(out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
     else:
         sys.stdout.write(text)
     return 0

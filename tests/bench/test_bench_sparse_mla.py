@@ -64,7 +64,7 @@ def test_mma_sync_leads_are_timed_beside_the_picks_where_listed():
 
     bf = dict((str(c), t) for t, c in B.mma_tile_configs("bf16", 128, 64, 2048, 132))
     assert bf["h32n64s1w4p2"] == "spills"
-    assert bf["h32n32s1w4p2"] == "sm80 pick"      # the stop 45 pick of both families, timed once under the first tag
+    assert bf["h32n32s1w4p2"] == "sm80/sm89 pick"   # the stop 45 pick of both families, timed once, tagged with both
     assert [t for t in bf.values() if t.endswith("pick")]                     # the picks stay
     fp8 = {str(c): t for t, c in B.mma_tile_configs("fp8_ds_mla", 128, 16, 2048, 132)}
     assert fp8.get("h16n32s1w4p2") == "sm8x lead"
@@ -82,10 +82,13 @@ def test_mma_sync_rows_divide_fp8_by_the_same_familys_bf16_pick():
            "bf16 T=128 H=64 | sm89 pick | h64n16s1w8p2": 320.0,
            "fp8_ds_mla T=128 H=64 | sm80 pick | h32n32s1w8p2": 600.0,
            "fp8_ds_mla T=128 H=64 | sm80 alt | h32n32s1w8p2f": 330.0,
-           "fp8_ds_mla T=1 H=64 | sm80 pick | h16n64s32w8p2": 14.0}
+           "fp8_ds_mla T=1 H=64 | sm80 pick | h16n64s32w8p2": 14.0,
+           "bf16 T=32 H=64 | sm80/sm89 pick | h32n32s2w4p2": 100.0,       # one pick of both families
+           "fp8_ds_mla T=32 H=64 | sm89 pick | h32n32s2w8p2r": 130.0}
     rows = {tuple(c.strip() for c in r.split("|")[1:4]): r.split("|")[5].strip() for r in B.mma_tile_rows(mma)}
     assert rows[("fp8_ds_mla T=128 H=64", "sm80 pick", "h32n32s1w8p2")] == "2.00x"
     assert rows[("fp8_ds_mla T=128 H=64", "sm80 alt", "h32n32s1w8p2f")] == "1.10x"
     assert rows[("bf16 T=128 H=64", "sm89 pick", "h64n16s1w8p2")] == "-"
     assert rows[("fp8_ds_mla T=1 H=64", "sm80 pick", "h16n64s32w8p2")] == "-"   # no bf16 row of that shape
-    assert len(rows) == 5
+    assert rows[("fp8_ds_mla T=32 H=64", "sm89 pick", "h32n32s2w8p2r")] == "1.30x"
+    assert len(rows) == 7

@@ -73,3 +73,42 @@ def test_a_real_sm89_loop_has_its_mmas_and_the_fp8_decode(tmp_path):
     # the e4m3 decode is conversion work per KV row that the bf16 loop does not have
     assert rows["fp8_ds_mla"]["per_row"]["conversion"] > 4 * max(rows["bf16"]["per_row"]["conversion"], 1.0)
     assert "| 89 | 16 x 128 | fp8_ds_mla |" in out.read_text()
+
+
+NESTED = """
+.L_x_0:
+        /*0000*/                   LDG.E R2, [R4.64] ;
+.L_x_1:
+        /*0010*/                   PRMT R5, R6, 0x7604, R7 ;
+        /*0020*/                   QMMA.16832.F32.E4M3.E4M3 R8, R12, R16, R8 ;
+        /*0030*/               @P0 BRA `(.L_x_1) ;
+        /*0040*/                   STG.E [R4.64], R2 ;
+        /*0050*/               @P1 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0060*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0070*/               @P2 BRA `(.L_x_2) ;
+"""
+
+
+def test_mma_loops_are_innermost_first_and_only_those_with_mmas():
+    inner, outer = sass_mix.mma_loops(NESTED)
+    assert inner == {"PRMT": 1, "QMMA": 1, "BRA": 1}
+    assert outer == {"LDG": 1, "PRMT": 1, "QMMA": 1, "BRA": 2, "STG": 1}
+    assert sass_mix.classify(inner)["hmma"] == 1   # fp8 mma.sync counts as MMA work
+    assert sass_mix.main_loop(NESTED) == outer
+
+
+def test_the_indexer_key_tiles_decoded_ahead_shed_most_of_sm80s_decode(tmp_path):
+    """sm_80's indexer decode pick (key tiles decoded ahead by the PTX block) against the same walk decoding each tile
+    in the iteration that loads it: the inner loop's conversions per key drop by more than half, with no spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "ix.md"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "sass_mix.py"), "--indexer", "decode", "--cc", "80",
+                          "--heads", "32", "--variants", '[{"K_AHEAD": false}]', "--out", str(out)],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    pick, plain = json.loads(out.with_suffix(".json").read_text())
+    assert pick["cfg"]["K_AHEAD"] and not plain["cfg"]["K_AHEAD"] and pick["spills"] == 0
+    assert pick["per_key"]["hmma"] == plain["per_key"]["hmma"] > 0       # the same MMAs per key
+    assert pick["per_key"]["conversion"] < 0.5 * plain["per_key"]["conversion"], (pick["per_key"], plain["per_key"])
+    assert "| 80 | decode | 32 x 1 |" in out.read_text()
