@@ -481,12 +481,14 @@ MMA_FAMILIES = [("sm_89/120", (8, 9)), ("sm_80/86", (8, 0))]
 _FLAT = dict(NESTED=False, HOIST_Q=False, SCALES_AHEAD=False)
 # each family's pick (the block size compiled in on both; sm_80/86 decode their key tiles ahead: K_AHEAD), the
 # per-request walk without K_AHEAD (sm_80/86's pick from 32 heads until stop 48), the flat walk (their pick at 16
-# heads until then; both at 8 warps and 4 programs per SM, as then) and the pick at 8 warps, 2 programs per SM
+# heads until then; both at 8 warps and 4 programs per SM, as then), the pick at 8 warps, 2 programs per SM, and the
+# pick with its query decoded opaquely (Q_OPAQUE: 16-bit MMA operand layouts; not the default until timed)
 _WAS = dict(num_warps=8, per_sm=4, K_AHEAD=False)
 FAMILY_VARIANTS = {"sm_89/120": [("pick", {})],
                    "sm_80/86": [("pick", {}), ("nested, not ahead",
                                                dict(_WAS, NESTED=True, HOIST_Q=True, SCALES_AHEAD=False)),
-                                ("flat", dict(_WAS, **_FLAT)), ("pick w8", dict(num_warps=8, per_sm=2))]}
+                                ("flat", dict(_WAS, **_FLAT)), ("pick w8", dict(num_warps=8, per_sm=2)),
+                                ("pick, q opaque", dict(Q_OPAQUE=True))]}
 _GL = dict(GLUON=True, BLOCK_N=64, num_warps=4, num_stages=4, per_sm=2, SCALES_AHEAD=False)
 FOCUS_DECODE_VARIANTS = [
     ("default", {}),
@@ -674,7 +676,7 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
                       "programs per SM as there, this GPU's SM count), built with DISABLE_MMA_V3=1; 'nested, not "
                       "ahead': the per-request walk with the query hoisted (NESTED, HOIST_Q), each key tile decoded "
                       "in the iteration that loads it (K_AHEAD off), and 'flat', one item per iteration: both at 8 warps, 4 programs per "
-                      "SM; 'w8': the pick at 8 warps, 2 programs per SM",
+                      "SM; 'w8': the pick at 8 warps, 2 programs per SM; 'q opaque': Q_OPAQUE",
                       "",
                       "| case | our wgmma default us | hopper pick mma.sync us | " + " | ".join(fams) + " |",
                       "|---" * (3 + len(fams)) + "|"])

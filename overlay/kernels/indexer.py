@@ -149,10 +149,11 @@ def _dot_operand(x, DOT_MODE: tl.constexpr):
 
 
 @triton.jit
-def _k_operand(x, DOT_MODE: tl.constexpr):
-    """A loaded key tile -> its MMA operand; DOT_BF16 decodes with the PTX block of sparse_mla (4 bytes each)."""
+def _k_operand(x, DOT_MODE: tl.constexpr, OPAQUE: tl.constexpr = False):
+    """A loaded key tile -> its MMA operand; DOT_BF16 decodes with e4m3.e4m3_as_f16_bits (a PTX block per 4 bytes;
+    compiled kernels only: the interpreter runs modes 2 and 3)."""
     if DOT_MODE == 1:
-        return e4m3_as_f16_bits(x)
+        return e4m3_as_f16_bits(x, OPAQUE)
     else:
         return _dot_operand(x, DOT_MODE)
 
@@ -184,6 +185,7 @@ def _mqa_logits_kernel(
     n_per_split, clean, out_width,
     D: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_MODE: tl.constexpr, COMPRESS: tl.constexpr = False, PDL: tl.constexpr = False, K_AHEAD: tl.constexpr = False,
+    Q_OPAQUE: tl.constexpr = False,
 ):
     """Prefill: program (pid_m, pid_s) scores query tokens [pid_m * BT, +BT) against the keys of
     split pid_s ([pid_s * n_per_split, +n_per_split)) that lie in the union of the tokens' ranges.
@@ -215,7 +217,10 @@ def _mqa_logits_kernel(
     d = tl.arange(0, D)
     q = tl.load(q_ptr + col_tok.to(tl.int64)[:, None] * stride_qm + col_head[:, None] * stride_qh
                 + d[None, :], mask=col_ok[:, None], other=0.0)
-    q = _dot_operand(q, DOT_MODE)
+    if Q_OPAQUE:
+        q = _k_operand(q, DOT_MODE, True)
+    else:
+        q = _dot_operand(q, DOT_MODE)
     w = tl.load(w_ptr + col_tok.to(tl.int64) * stride_wm + col_head * stride_wh, mask=col_ok,
                 other=0.0).to(tl.float32)
 
@@ -300,6 +305,7 @@ def _paged_mqa_logits_kernel(
     D: tl.constexpr, HP: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, DOT_MODE: tl.constexpr, SCALES_AHEAD: tl.constexpr = False, HOIST_Q: tl.constexpr = True,
     NESTED: tl.constexpr = True, BS: tl.constexpr = 0, PDL: tl.constexpr = False, K_AHEAD: tl.constexpr = False,
+    Q_OPAQUE: tl.constexpr = False,
 ):
     """Decode, persistent: work item = (request b, key tile t) for query tokens [j0, j0 + T) of b.
     Request b has max(1, cdiv(len_b, BLOCK_N)) items (len_b: the furthest position any of its
@@ -368,7 +374,10 @@ def _paged_mqa_logits_kernel(
             q_ptrs = (q_ptr + b64 * stride_qb + col_tok[:, None] * stride_qn
                       + col_head[:, None] * stride_qh + d[None, :])
             if HOIST_Q:   # the query operand stays in registers for all of the request's tiles
-                q = _dot_operand(tl.load(q_ptrs, mask=col_ok[:, None], other=0.0), DOT_MODE)
+                if Q_OPAQUE:
+                    q = _k_operand(tl.load(q_ptrs, mask=col_ok[:, None], other=0.0), DOT_MODE, True)
+                else:
+                    q = _dot_operand(tl.load(q_ptrs, mask=col_ok[:, None], other=0.0), DOT_MODE)
             w = tl.load(w_ptr + (b64 * next_n + col_tok) * stride_wm + col_head * stride_wh,
                         mask=col_ok, other=0.0).to(tl.float32)
             bt_row = bt_ptr + b64 * stride_btb
@@ -491,7 +500,8 @@ class PrefillConfig:
     MMA is [BLOCK_N, D] x [D, BT * HP]; BLOCK_N: keys per tile; DOT_MODE: how the MMA multiplies
     (DOT_FP8 / DOT_BF16 / DOT_FP32 / DOT_BYTES_FP32); num_warps, num_stages: Triton launch options;
     splits: programs over the keys (None: the launcher aims for 4 programs per SM); COMPRESS: row-compressed
-    output (`max_seqlen_k=`, vLLM 0.33.0 on); K_AHEAD: each next key tile decoded ahead (DecodeConfig; sm_80/86).
+    output (`max_seqlen_k=`, vLLM 0.33.0 on); K_AHEAD: each next key tile decoded ahead (DecodeConfig; sm_80/86);
+    Q_OPAQUE: as DecodeConfig's.
     """
 
     HP: int
@@ -503,11 +513,12 @@ class PrefillConfig:
     splits: int | None = None
     COMPRESS: bool = False
     K_AHEAD: bool = False
+    Q_OPAQUE: bool = False
 
     def constexprs(self) -> dict:
         """The kernel's constexpr arguments (but D)."""
         return dict(HP=self.HP, BT=self.BT, BLOCK_N=self.BLOCK_N, DOT_MODE=self.DOT_MODE,
-                    COMPRESS=bool(self.COMPRESS), K_AHEAD=bool(self.K_AHEAD))
+                    COMPRESS=bool(self.COMPRESS), K_AHEAD=bool(self.K_AHEAD), Q_OPAQUE=bool(self.Q_OPAQUE))
 
 
 @dataclass(frozen=True)
@@ -530,7 +541,10 @@ class DecodeConfig:
     mma.sync targets' picks built for mma.sync; bench/RESULTS.md, stops 35 and 37); K_AHEAD (NESTED only): load each
     next key tile at the top of an iteration and turn it into the MMA operand after this one's MMA, so the loop
     carries the 16-bit operand (sm_80/86: decoded by e4m3.e4m3_as_f16_bits, half the loop's instructions of decoding
-    a tile loaded in the same iteration; bench/RESULTS.md, stop 48).
+    a tile loaded in the same iteration; bench/RESULTS.md, stop 48); Q_OPAQUE (DOT_BF16, HOIST_Q): decode the query
+    with e4m3.e4m3_as_f16_bits declared impure, so the MMA operands are laid out as 16-bit ones (kWidth 2) instead of
+    as the 8-bit load behind the query (kWidth 4); cross-compiled for sm_80 with K_AHEAD it cuts another 30-45% of the
+    inner loop's instructions per key, not yet timed, so off by default (stop 48).
     """
 
     HP: int
@@ -549,6 +563,7 @@ class DecodeConfig:
     maxnreg: int | None = None
     CONST_BS: bool = False
     K_AHEAD: bool = False
+    Q_OPAQUE: bool = False
 
     def constexprs(self) -> dict:
         """The kernel's constexpr arguments (but D)."""
@@ -556,7 +571,8 @@ class DecodeConfig:
             return dict(HP=self.HP, T=self.T, BLOCK_N=self.BLOCK_N, BLOCK_B=self.BLOCK_B, NUM_BUF=self.num_stages)
         return dict(HP=self.HP, T=self.T, BLOCK_N=self.BLOCK_N, BLOCK_B=self.BLOCK_B,
                     DOT_MODE=self.DOT_MODE, SCALES_AHEAD=bool(self.SCALES_AHEAD),
-                    HOIST_Q=bool(self.HOIST_Q), NESTED=bool(self.NESTED), K_AHEAD=bool(self.K_AHEAD))
+                    HOIST_Q=bool(self.HOIST_Q), NESTED=bool(self.NESTED), K_AHEAD=bool(self.K_AHEAD),
+                    Q_OPAQUE=bool(self.Q_OPAQUE))
 
 
 @dataclass(frozen=True)
@@ -619,7 +635,9 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
                         programs_per_sm=4, programs_per_sm_t2=4),
     # 4 warps since the key tiles are decoded ahead (K_AHEAD): fewer instructions per key than 8 at every shape (sm_80,
     # 32 heads x 1 / 2 tokens: 36.4 / 51.8 against 38.4 / 66.9), no spills where 8 warps spill (sm_86, 32 heads x 2
-    # tokens: 24 B); up to 168 registers, so three programs resident per SM
+    # tokens: 24 B); up to 168 registers, so three programs resident per SM. Timed on the H100 built for mma.sync
+    # (bench/RESULTS.md, stop 48): 1.6-2.3x faster than the 8-warp walk without K_AHEAD at batch >= 8; with K_AHEAD at
+    # 8 warps (two programs per SM) 1.1-1.35x slower than at 4
     "bf16": DecodeTuning(max_mma_cols=64, block_n=64, block_n_large=64, num_warps=4, num_stages=3,
                          programs_per_sm=3, programs_per_sm_t2=3),
     "interp": DecodeTuning(max_mma_cols=256, block_n=64, block_n_large=64, num_warps=4, num_stages=3,

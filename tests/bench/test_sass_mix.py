@@ -100,15 +100,21 @@ def test_mma_loops_are_innermost_first_and_only_those_with_mmas():
 
 def test_the_indexer_key_tiles_decoded_ahead_shed_most_of_sm80s_decode(tmp_path):
     """sm_80's indexer decode pick (key tiles decoded ahead by the PTX block) against the same walk decoding each tile
-    in the iteration that loads it: the inner loop's conversions per key drop by more than half, with no spills."""
+    in the iteration that loads it: the inner loop's conversions per key drop by more than half, with no spills; and
+    against the pick with its query decoded opaquely (Q_OPAQUE)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "ix.md"
     res = subprocess.run([sys.executable, str(REPO / "bench" / "sass_mix.py"), "--indexer", "decode", "--cc", "80",
-                          "--heads", "32", "--variants", '[{"K_AHEAD": false}]', "--out", str(out)],
+                          "--heads", "32", "--variants", '[{"K_AHEAD": false}, {"Q_OPAQUE": true}]', "--out", str(out)],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    pick, plain = json.loads(out.with_suffix(".json").read_text())
+    pick, plain, opaque = json.loads(out.with_suffix(".json").read_text())
     assert pick["cfg"]["K_AHEAD"] and not plain["cfg"]["K_AHEAD"] and pick["spills"] == 0
     assert pick["per_key"]["hmma"] == plain["per_key"]["hmma"] > 0       # the same MMAs per key
     assert pick["per_key"]["conversion"] < 0.5 * plain["per_key"]["conversion"], (pick["per_key"], plain["per_key"])
     assert "| 80 | decode | 32 x 1 |" in out.read_text()
+    # the query decoded by the impure PTX block: Triton no longer sees the 8-bit load behind either operand (kWidth 2),
+    # the MMAs read 16-bit operands with fewer shared loads and register moves
+    assert opaque["per_key"]["hmma"] == pick["per_key"]["hmma"] and opaque["spills"] == 0
+    assert opaque["per_key"]["total"] < 0.8 * pick["per_key"]["total"], (opaque["per_key"], pick["per_key"])
+    assert opaque["per_key"]["shared"] < pick["per_key"]["shared"]

@@ -273,16 +273,17 @@ PREFILL = [(501, 160, 1500, 64), (502, 96, 900, 32), (503, 64, 700, 128), (504, 
            (505, 33, 300, 5)]   # (seed, M, N, H)
 
 
-@pytest.mark.parametrize("mode", ["DOT_FP8", "DOT_BF16", "sm80-pick-bf16"])
+@pytest.mark.parametrize("mode", ["DOT_FP8", "DOT_BF16", "sm80-pick-bf16", "q-opaque-bf16"])
 @pytest.mark.parametrize("p", PREFILL, ids=lambda p: f"seed={p[0]}-M{p[1]}-N{p[2]}-H{p[3]}")
 def test_indexer_prefill(p, mode):
     """The device's own config (DOT_FP8 on sm_89+), the sm_80/86 decoder path (DOT_BF16) and sm_80's own pick (its
-    key tiles decoded ahead by the PTX block), with empty, reversed (ks > ke), clipped (ke > N, ks < 0) and full
+    key tiles decoded ahead by the PTX block; also with Q_OPAQUE), with empty, reversed (ks > ke), clipped (ke > N, ks < 0) and full
     ranges."""
     case = C.prefill_case(*p)
     g = case.to("cuda")
     cfg = {"DOT_FP8": None, "DOT_BF16": dict(DOT_MODE=IX.DOT_BF16),
-           "sm80-pick-bf16": IX.prefill_config((8, 0), p[3])}[mode]
+           "sm80-pick-bf16": IX.prefill_config((8, 0), p[3]),
+           "q-opaque-bf16": replace(IX.prefill_config((8, 0), p[3]), Q_OPAQUE=True)}[mode]
     if mode == "DOT_FP8":
         assert IX.dot_mode_for_capability(torch.cuda.get_device_capability()) == IX.DOT_FP8
     out = IX.fp8_mqa_logits(g.q, (g.k, g.k_scales), g.w, g.ks, g.ke, True, _config=cfg,
@@ -308,14 +309,16 @@ PAGED = [
 
 
 @pytest.mark.parametrize("walk", ["default", "triton", "gluon", "gluon-nb2", "gluon-runtime-bs", "flat", "flat-bf16",
-                                  "nested-bf16", "sm80-pick-bf16", "ahead-w8-bf16"])
+                                  "nested-bf16", "sm80-pick-bf16", "ahead-w8-bf16",
+                                  "q-opaque-bf16"])
 @pytest.mark.parametrize("p", PAGED, ids=lambda p: f"seed={p[0]}-n{p[1]}-H{p[2]}")
 def test_indexer_paged(p, walk):
     """The device's own config (on sm_90: the Gluon kernel at two tokens x <= 64 heads or batch 1, else the
     per-request walk, scales prefetched for the large tile), the Triton kernel's own pick (``triton``), the sm_90
     Gluon kernel forced at every shape it takes (4 and 2 key buffers: the ring wraps every 2 tiles; the block size
     read at run time, not compiled in), the flat walk of the other targets, the sm_80/86 decoder path in both
-    walks, and sm_80's own pick (key tiles decoded ahead by the PTX block), also at 8 warps on 7 programs."""
+    walks, and sm_80's own pick (key tiles decoded ahead by the PTX block), also at 8 warps on 7 programs and with its
+    query decoded by the impure PTX block (Q_OPAQUE: 16-bit operand layouts)."""
     seed, next_n, H, bs, lens, two_d, mml = p
     case = C.paged_case(seed, len(lens), next_n, H, bs, lens, two_d=two_d, max_model_len=mml)
     g = case.to("cuda")
@@ -335,7 +338,8 @@ def test_indexer_paged(p, walk):
            "nested-bf16": lambda: replace(IX.decode_config(cap, H, next_n, gluon=False), NESTED=True, HOIST_Q=True,
                                           SCALES_AHEAD=False, DOT_MODE=IX.DOT_BF16, BLOCK_N=64, num_warps=8),
            "sm80-pick-bf16": lambda: IX.decode_config((8, 0), H, next_n),
-           "ahead-w8-bf16": lambda: replace(IX.decode_config((8, 0), H, next_n), num_warps=8, programs=7)}[walk]
+           "ahead-w8-bf16": lambda: replace(IX.decode_config((8, 0), H, next_n), num_warps=8, programs=7),
+           "q-opaque-bf16": lambda: replace(IX.decode_config((8, 0), H, next_n), Q_OPAQUE=True)}[walk]
     cfg = cfg() if callable(cfg) else cfg
     if walk == "triton":
         assert not cfg.GLUON

@@ -108,7 +108,8 @@ def test_prefill_matches_reference(H, M, N, seed, clean):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cfg", [dict(splits=1), dict(splits=7), dict(BT=1, BLOCK_N=16),
                                  dict(BT=4, BLOCK_N=32, splits=3), dict(K_AHEAD=True, splits=3),
-                                 dict(K_AHEAD=True, BT=1, BLOCK_N=16, splits=7)])
+                                 dict(K_AHEAD=True, BT=1, BLOCK_N=16, splits=7),
+                                 dict(K_AHEAD=True, Q_OPAQUE=True, splits=2)])
 def test_prefill_tiles_splits_and_dot_modes(mode, cfg):
     """Whole and split key ranges, small tiles, and the key tiles decoded ahead (sm_80/86's K_AHEAD: the first tile
     of a split loaded before its loop, the prefetch past its last tile masked)."""
@@ -251,6 +252,7 @@ def test_paged_context_longer_than_max_model_len(two_d, clean):
                                  dict(K_AHEAD=True, BLOCK_N=16, programs=7),
                                  dict(K_AHEAD=True, SCALES_AHEAD=True, programs=1),
                                  dict(K_AHEAD=True, HOIST_Q=False, T=1, programs=53),
+                                 dict(K_AHEAD=True, Q_OPAQUE=True, programs=5),
                                  dict(NESTED=False, BLOCK_N=16, programs=5),
                                  dict(NESTED=False, programs=53)])
 def test_paged_work_split_and_dot_modes(mode, cfg):
