@@ -675,8 +675,8 @@ def run_focus(args, upstream, g, lines, timer, mma, child_times):
                       "<= 1.3x)", "", "each family's own launch-table pick (decode_config of its capability, "
                       "programs per SM as there, this GPU's SM count), built with DISABLE_MMA_V3=1; 'nested, not "
                       "ahead': the per-request walk with the query hoisted (NESTED, HOIST_Q), each key tile decoded "
-                      "in the iteration that loads it (K_AHEAD off), and 'flat', one item per iteration: both at 8 warps, 4 programs per "
-                      "SM; 'w8': the pick at 8 warps, 2 programs per SM; 'q opaque': Q_OPAQUE",
+                      "in the iteration that loads it (K_AHEAD off), and 'flat', one item per iteration: both at 8 "
+                      "warps, 4 programs per SM; 'w8': the pick at 8 warps, 2 programs per SM; 'q opaque': Q_OPAQUE",
                       "",
                       "| case | our wgmma default us | hopper pick mma.sync us | " + " | ".join(fams) + " |",
                       "|---" * (3 + len(fams)) + "|"])

@@ -727,7 +727,8 @@ def decode_config(capability, heads: int, next_n: int, batch: int | None = None,
     # sm_80/86 decode each key tile ahead (K_AHEAD): cross-compiled, half the loop's instructions per key or less
     # (sm_80, 32 heads x 1 / 2 tokens: 73.5 / 137.8 -> 38.4 / 66.9; 16 heads: the nested walk then spills nothing, and
     # 101 -> 33 against the flat walk; bench/RESULTS.md, stop 48), so they take the nested walk at every head count.
-    nested = (fam in ("interp", "bf16") or (fam == "hopper" and t * hp <= 128) or (fam == "fp8" and 64 <= t * hp <= 128))
+    nested = (fam in ("interp", "bf16") or (fam == "hopper" and t * hp <= 128)
+              or (fam == "fp8" and 64 <= t * hp <= 128))
     # Scale prefetch with the large tile only (it loses with the small one).
     # measured: bench/RESULTS.md#tuning-notes-moved-from-the-kernel-sources
     ahead = fam == "hopper" and nested and block_n == tune.block_n_large
