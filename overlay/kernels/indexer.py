@@ -543,7 +543,7 @@ class DecodeConfig:
     carries the 16-bit operand (sm_80/86: decoded by e4m3.e4m3_as_f16_bits, half the loop's instructions of decoding
     a tile loaded in the same iteration; bench/RESULTS.md, stop 48); Q_OPAQUE (DOT_BF16, HOIST_Q): decode the query
     with e4m3.e4m3_as_f16_bits declared impure, so the MMA operands are laid out as 16-bit ones (kWidth 2) instead of
-    as the 8-bit load behind the query (kWidth 4); cross-compiled for sm_80 with K_AHEAD it cuts another 30-45% of the
+    as the 8-bit load behind the query (kWidth 4); cross-compiled for sm_80 with K_AHEAD it cuts another 24-44% of the
     inner loop's instructions per key, not yet timed, so off by default (stop 48).
     """
 
